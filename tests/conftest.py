@@ -1,0 +1,19 @@
+import os
+
+import torch
+
+# Triton's interpreter must be chosen before triton is first imported: on a machine without CUDA the
+# Triton kernels run on the CPU through it, so their logic is tested in the CPU suite.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
