@@ -1,0 +1,276 @@
+"""Cross-entropy with z-loss and label smoothing over large vocabularies: public entry point, reference, wiring.
+
+``cross_entropy`` returns two fp32 scalars, the cross-entropy and the z-loss term (``z_loss * logsumexp**2``),
+reduced the same way, so the trainer can log both and backpropagate their sum. The Triton path
+(``cross_entropy_triton.py``) reads each row of logits once from memory, computes its logsumexp online in fp32 and,
+when a gradient is needed, writes it during the forward (the row's second read is served by the L2 cache), so the
+backward only rescales it when the upstream gradients are not 1 - a test the kernel makes on the device, never on
+the host. With ``inplace_backward=True`` the gradient overwrites the logits buffer, so no logits-sized buffer is
+allocated.
+"""
+
+import torch
+
+from .dispatch import op_namespace, use_triton
+
+try:
+    from . import cross_entropy_triton as _kernels
+except ImportError:  # no triton: the reference serves every call
+    _kernels = None
+
+_NAMESPACE = op_namespace(__name__)
+REDUCTIONS = ("mean", "sum")
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _normaliser(labels, ignore_index, reduction, num_items_in_batch, device) -> torch.Tensor:
+    """The fp32 0-d tensor the sums are divided by, built on the device without reading anything back to the host."""
+    if reduction == "sum":
+        return torch.ones((), dtype=torch.float32, device=device)
+    if num_items_in_batch is None:
+        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
+
+
+def cross_entropy_reference(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch cross-entropy and z-loss term in fp32: the CPU path and the truth the kernels are tested on.
+
+    Per non-ignored token: ``ce = (1 - s) * (lse - x[label]) + s * (lse - mean(x))`` (label smoothing ``s`` as
+    ``torch.nn.functional.cross_entropy`` defines it) and ``z = z_loss * lse**2``; ignored tokens contribute 0.
+    """
+    _check_inputs(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    valid = labels != ignore_index
+    log_sum_exp = torch.logsumexp(logits, dim=-1)
+    label_logits = logits.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    ce = log_sum_exp - label_logits
+    if label_smoothing > 0.0:
+        ce = (1.0 - label_smoothing) * ce + label_smoothing * (log_sum_exp - logits.mean(dim=-1))
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    ce = torch.where(valid, ce, zero).sum()
+    z = torch.where(valid, z_loss * log_sum_exp.square(), zero).sum()
+    normaliser = _normaliser(labels, ignore_index, reduction, num_items_in_batch, logits.device)
+    return ce / normaliser, z / normaliser
+
+
+def _check_inputs(logits, labels, ignore_index, label_smoothing, z_loss, reduction) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise TypeError("cross_entropy expects tensors for logits and labels")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"cross_entropy logits must be floating point, got {logits.dtype}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"cross_entropy labels must be integer class indices (int64/int32), got {labels.dtype}")
+    if logits.dim() == 0 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"cross_entropy: logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} plus a vocabulary "
+            "dimension"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError("cross_entropy: the vocabulary dimension of logits is empty")
+    if logits.device != labels.device:
+        raise ValueError(f"logits are on {logits.device} but labels on {labels.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+    if z_loss < 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def _as_rows(logits: torch.Tensor) -> torch.Tensor:
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_forward", mutates_args=())
+def _cross_entropy_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    normaliser: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton forward: (ce, z-loss term, per-row logsumexp, gradient for unit upstream gradients or an empty tensor)."""
+    rows = _as_rows(logits)
+    grad_logits = torch.empty_like(rows) if compute_grad else None
+    ce, z, log_sum_exp = _kernels.cross_entropy_forward(
+        rows, labels.reshape(-1), normaliser, grad_logits, ignore_index, label_smoothing, z_loss
+    )
+    if grad_logits is None:
+        grad_logits = logits.new_empty((0,))
+    return ce, z, log_sum_exp, grad_logits.view(logits.shape) if compute_grad else grad_logits
+
+
+@_cross_entropy_forward.register_fake
+def _(logits, labels, normaliser, ignore_index, label_smoothing, z_loss, compute_grad):
+    scalar = logits.new_empty((), dtype=torch.float32)
+    log_sum_exp = logits.new_empty((labels.numel(),), dtype=torch.float32)
+    grad_logits = torch.empty_like(logits) if compute_grad else logits.new_empty((0,))
+    return scalar, scalar.clone(), log_sum_exp, grad_logits
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_forward_inplace", mutates_args=("logits",))
+def _cross_entropy_forward_inplace(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    normaliser: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton forward that overwrites ``logits`` with the gradient for unit upstream gradients."""
+    rows = logits.view(-1, logits.shape[-1])
+    return _kernels.cross_entropy_forward(
+        rows, labels.reshape(-1), normaliser, rows, ignore_index, label_smoothing, z_loss
+    )
+
+
+@_cross_entropy_forward_inplace.register_fake
+def _(logits, labels, normaliser, ignore_index, label_smoothing, z_loss):
+    scalar = logits.new_empty((), dtype=torch.float32)
+    return scalar, scalar.clone(), logits.new_empty((labels.numel(),), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_rescale_grad_", mutates_args=("grad_logits",))
+def _cross_entropy_rescale_grad_(
+    grad_logits: torch.Tensor,
+    labels: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    normaliser: torch.Tensor,
+    grad_ce: torch.Tensor,
+    grad_z: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> None:
+    """Turn the stored unit-upstream gradient into the one for (grad_ce, grad_z), in place; a no-op on the device
+    when both are 1."""
+    _kernels.cross_entropy_rescale_grad(
+        grad_logits.view(-1, grad_logits.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser,
+        grad_ce, grad_z, ignore_index, label_smoothing, z_loss,
+    )
+
+
+@_cross_entropy_rescale_grad_.register_fake
+def _(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss):
+    return None
+
+
+def _upstream(grad, reference):
+    if grad is None:
+        return torch.zeros((), dtype=torch.float32, device=reference.device)
+    return grad.to(torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    _, labels, normaliser, ignore_index, label_smoothing, z_loss, compute_grad = inputs
+    _, _, log_sum_exp, grad_logits = output
+    ctx.compute_grad = compute_grad
+    ctx.options = (ignore_index, label_smoothing, z_loss)
+    ctx.save_for_backward(labels, normaliser, log_sum_exp, grad_logits)
+
+
+def _backward(ctx, grad_ce, grad_z, _grad_log_sum_exp, _grad_grad_logits):
+    if not ctx.compute_grad:
+        raise RuntimeError("cross_entropy ran its forward without a gradient (compute_grad=False) and cannot backward")
+    labels, normaliser, log_sum_exp, grad_logits = ctx.saved_tensors
+    _cross_entropy_rescale_grad_(
+        grad_logits, labels, log_sum_exp, normaliser, _upstream(grad_ce, grad_logits), _upstream(grad_z, grad_logits),
+        *ctx.options,
+    )
+    return grad_logits, None, None, None, None, None, None
+
+
+_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """Eager path for ``inplace_backward=True``: the forward writes the gradient into the caller's logits buffer.
+
+    The mutation is declared on the custom op (version counters see it, so a later use of the old logits by autograd
+    raises), but an op that mutates its input cannot carry a torch.library autograd formula, hence this Function.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, normaliser, ignore_index, label_smoothing, z_loss):
+        ce, z, log_sum_exp = _cross_entropy_forward_inplace(
+            logits, labels, normaliser, ignore_index, label_smoothing, z_loss
+        )
+        ctx.options = (ignore_index, label_smoothing, z_loss)
+        ctx.save_for_backward(logits.detach(), labels, normaliser, log_sum_exp)
+        return ce, z
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_z):
+        grad_logits, labels, normaliser, log_sum_exp = ctx.saved_tensors
+        _cross_entropy_rescale_grad_(
+            grad_logits, labels, log_sum_exp, normaliser, _upstream(grad_ce, grad_logits),
+            _upstream(grad_z, grad_logits), *ctx.options,
+        )
+        return grad_logits, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and z-loss term over the last dimension of ``logits``.
+
+    Args:
+        logits: ``(..., vocab_size)``; any float dtype (fp32/fp16/bf16 on the Triton path), any vocabulary size.
+        labels: ``(...)`` integer class indices; ``ignore_index`` marks tokens that do not count.
+        label_smoothing: as ``torch.nn.functional.cross_entropy(label_smoothing=...)``.
+        z_loss: coefficient of ``logsumexp(logits)**2`` per token (PaLM's z-loss); 0 gives a zero term.
+        reduction: ``"mean"`` divides both sums by ``num_items_in_batch`` when given, else by the number of
+            non-ignored tokens (a batch with none gives 0, not NaN); ``"sum"`` returns the sums.
+        num_items_in_batch: explicit normaliser for ``"mean"`` (e.g. the token count over gradient accumulation).
+        inplace_backward: allow writing the gradient into the logits buffer; the caller must not read ``logits``
+            after this call.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``dispatch.use_triton``).
+
+    Returns:
+        ``(ce_loss, z_loss_term)``, fp32 scalars, both differentiable; the training loss is their sum.
+    """
+    _check_inputs(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+    if not use_triton(backend, logits):
+        return cross_entropy_reference(
+            logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            reduction=reduction, num_items_in_batch=num_items_in_batch,
+        )
+    if _kernels is None:
+        raise RuntimeError("cross_entropy: the Triton kernels could not be imported; use backend='reference'")
+    if logits.dtype not in _TRITON_DTYPES:
+        raise TypeError(
+            f"cross_entropy's Triton path takes fp32/fp16/bf16 logits, got {logits.dtype}; use backend='reference'"
+        )
+    normaliser = _normaliser(labels, ignore_index, reduction, num_items_in_batch, logits.device)
+    options = (int(ignore_index), float(label_smoothing), float(z_loss))
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    if compute_grad and inplace_backward and not torch.compiler.is_compiling() and logits.is_contiguous():
+        return _InplaceCrossEntropy.apply(logits, labels, normaliser, *options)
+    ce, z, _, _ = _cross_entropy_forward(logits, labels, normaliser, *options, compute_grad)
+    return ce, z
