@@ -1,0 +1,52 @@
+"""FAT5 — Flash Attention T5.
+
+``import fat5`` registers the FAT5 config and models with transformers' Auto classes, so
+``AutoModelForSeq2SeqLM.from_pretrained(fat5_dir)`` works on a saved FAT5 model.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
+    AutoModelForTokenClassification,
+)
+
+from .configuration_fat5 import FAT5Config
+from .errors import FAT5Error
+from .modeling_fat5 import (
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+    FAT5PreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
+for auto_class, model_class in (
+    (AutoModel, FAT5Model),
+    (AutoModelForSeq2SeqLM, FAT5ForConditionalGeneration),
+    (AutoModelForTextEncoding, FAT5EncoderModel),
+    (AutoModelForSequenceClassification, FAT5ForSequenceClassification),
+    (AutoModelForTokenClassification, FAT5ForTokenClassification),
+    (AutoModelForQuestionAnswering, FAT5ForQuestionAnswering),
+):
+    auto_class.register(FAT5Config, model_class, exist_ok=True)
+
+__all__ = [
+    "FAT5Config",
+    "FAT5Error",
+    "FAT5PreTrainedModel",
+    "FAT5Model",
+    "FAT5ForConditionalGeneration",
+    "FAT5EncoderModel",
+    "FAT5ForSequenceClassification",
+    "FAT5ForTokenClassification",
+    "FAT5ForQuestionAnswering",
+]

@@ -24,7 +24,8 @@ def _check_inputs(query, key, value, position_encoding, relative_attention_bias,
         raise ValueError(f"position_encoding must be one of {POSITION_ENCODINGS}, got {position_encoding!r}")
     if key.shape != value.shape:
         raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
-    if query.shape[-1] != key.shape[-1] or query.shape[-3 if query.dim() == 3 else 1] != key.shape[-2 if key.dim() == 3 else 1]:
+    heads_dim = -2 if query.dim() == 3 else 1
+    if query.dim() != key.dim() or query.shape[-1] != key.shape[-1] or query.shape[heads_dim] != key.shape[heads_dim]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on heads or head_dim")
     if not query.dtype.is_floating_point or query.dtype != key.dtype or key.dtype != value.dtype:
         raise TypeError(f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}")

@@ -1,0 +1,979 @@
+"""FAT5: T5 whose attention, RMSNorm and loss run in fused kernels.
+
+The modules keep T5's names (``SelfAttention.q``, ``DenseReluDense.wi_0``, ``relative_attention_bias``...) so a T5
+checkpoint converts by renaming nothing and PEFT's LoRA finds its usual targets. What differs from transformers'
+``modeling_t5.py``: the position bias is never materialised (the attention kernel reads the bucket table), padded
+batches and packed batches (several examples per row, ``segment_ids``) share one code path, and the loss is a fused
+cross-entropy with z-loss.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    QuestionAnsweringModelOutput,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+from .configuration_fat5 import FAT5Config
+from .kernels.attention import attention, attention_varlen
+from .kernels.cross_entropy import cross_entropy
+from .kernels.position_bias import alibi_slopes
+from .kernels.rms_norm import rms_norm
+from .kernels.rotary import apply_rotary, rotary_cos_sin
+
+
+@dataclass
+class TokenLayout:
+    """Where the real tokens of a (batch, length) block of hidden states are.
+
+    Padded batches carry a ``padding_mask``; packed batches (several examples per row) carry the flat indices of
+    their real tokens and the segments' boundaries, which the varlen attention uses to keep examples apart.
+    ``position_ids`` restart at 0 in every segment (packed) or start at the cache length (decoding).
+    """
+
+    position_ids: torch.Tensor
+    padding_mask: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    segment_keys: torch.Tensor | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.indices is not None
+
+    @classmethod
+    def padded(cls, batch_size, length, attention_mask=None, offset=0, device=None) -> "TokenLayout":
+        position_ids = (torch.arange(length, device=device) + offset).expand(batch_size, length)
+        padding_mask = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+                raise ValueError(
+                    f"attention_mask must be (batch, length) with batch {batch_size}, got {tuple(attention_mask.shape)}"
+                )
+            padding_mask = attention_mask.to(device=device, dtype=torch.bool)
+        return cls(position_ids=position_ids, padding_mask=padding_mask)
+
+    @classmethod
+    def packed(cls, segment_ids: torch.Tensor) -> "TokenLayout":
+        """From (batch, length) segment ids: 1..n for the examples of a row, in order, and 0 on padding."""
+        if segment_ids.dim() != 2 or segment_ids.dtype.is_floating_point:
+            raise ValueError(f"segment_ids must be a (batch, length) integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}")
+        batch_size, length = segment_ids.shape
+        flat = segment_ids.reshape(-1).long()
+        indices = torch.nonzero(flat > 0).flatten()
+        rows = indices // length
+        # one key per (row, segment): equal keys must be contiguous, or a segment was split
+        keys = rows * (int(flat.max()) + 1) + flat[indices]
+        segment_keys, counts = torch.unique_consecutive(keys, return_counts=True)
+        if segment_keys.numel() != torch.unique(segment_keys).numel():
+            raise ValueError("segment_ids must number each row's examples in contiguous runs (1, 1, 2, 2, 0, ...)")
+        cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=segment_ids.device)
+        cu_seqlens[1:] = torch.cumsum(counts, 0)
+        segment_of_token = torch.repeat_interleave(torch.arange(counts.numel(), device=segment_ids.device), counts)
+        positions = torch.arange(indices.numel(), device=segment_ids.device) - cu_seqlens[:-1].long()[segment_of_token]
+        position_ids = torch.zeros(batch_size * length, dtype=torch.long, device=segment_ids.device)
+        position_ids[indices] = positions
+        return cls(
+            position_ids=position_ids.view(batch_size, length),
+            indices=indices,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=int(counts.max()) if counts.numel() else 0,
+            segment_keys=segment_keys,
+        )
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    # T5 overflows in fp16; transformers clamps after each sub-layer and so do we, for identical outputs
+    if hidden_states.dtype != torch.float16:
+        return hidden_states
+    clamp_value = torch.where(
+        torch.isinf(hidden_states).any(),
+        torch.finfo(hidden_states.dtype).max - 1000,
+        torch.finfo(hidden_states.dtype).max,
+    )
+    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+
+
+class FAT5LayerNorm(nn.Module):
+    """T5's RMS norm (no mean, no bias, variance in fp32), through the fused kernel when the config allows."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "auto"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.backend = backend
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.backend)
+
+
+class FAT5DenseActDense(nn.Module):
+    def __init__(self, config: FAT5Config):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[config.dense_act_fn]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class FAT5DenseGatedActDense(nn.Module):
+    def __init__(self, config: FAT5Config):
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[config.dense_act_fn]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class FAT5LayerFF(nn.Module):
+    def __init__(self, config: FAT5Config):
+        super().__init__()
+        self.DenseReluDense = FAT5DenseGatedActDense(config) if config.is_gated_act else FAT5DenseActDense(config)
+        self.layer_norm = _layer_norm(config)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+
+
+def _layer_norm(config: FAT5Config) -> FAT5LayerNorm:
+    backend = config.attention_backend if config.use_fused_rms_norm else "reference"
+    return FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon, backend=backend)
+
+
+class FAT5FIRE(nn.Module):
+    """FIRE (Li et al., 2024): a learned bias ``MLP(psi(|j - i|) / psi(max(L, i + 1)))``, ``psi(x) = log(c x + 1)``.
+
+    ``c`` and the length threshold ``L`` are learned. Bidirectional attention feeds the distances before and after
+    the query as two separate inputs, so the MLP can tell the directions apart.
+    """
+
+    def __init__(self, config: FAT5Config, bidirectional: bool):
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.mlp = nn.Sequential(
+            nn.Linear(2 if bidirectional else 1, config.fire_mlp_width),
+            nn.ReLU(),
+            nn.Linear(config.fire_mlp_width, config.num_heads),
+        )
+        self.c = nn.Parameter(torch.tensor(float(config.fire_init_c)))
+        self.threshold = nn.Parameter(torch.tensor(float(config.fire_init_threshold)))
+
+    def forward(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """The (heads, query_length, key_length) bias."""
+        device = self.c.device
+        query_position = torch.arange(query_length, device=device, dtype=torch.float32)[:, None] + query_offset
+        relative = torch.arange(key_length, device=device, dtype=torch.float32)[None, :] - query_position
+        c = self.c.float().abs()
+        normaliser = torch.log(c * torch.maximum(query_position + 1, self.threshold.float().abs()) + 1)
+        distance = torch.log(c * relative.abs() + 1) / normaliser
+        if self.bidirectional:
+            features = torch.stack((distance * (relative <= 0), distance * (relative > 0)), dim=-1)
+        else:
+            features = distance[..., None]
+        return self.mlp(features.to(self.mlp[0].weight.dtype)).permute(2, 0, 1)
+
+
+class FAT5Attention(nn.Module):
+    """Self- or cross-attention with T5's projections; the position encoding is applied inside the kernel."""
+
+    def __init__(
+        self,
+        config: FAT5Config,
+        has_relative_attention_bias: bool = False,
+        is_decoder: bool = False,
+        is_cross_attention: bool = False,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.n_heads = config.num_heads
+        self.key_value_proj_dim = config.d_kv
+        self.inner_dim = self.n_heads * self.key_value_proj_dim
+        self.is_decoder = is_decoder
+        self.is_cross_attention = is_cross_attention
+        self.causal = is_decoder and not is_cross_attention
+        self.layer_idx = layer_idx
+        self.position_encoding = "none" if is_cross_attention else config.position_encoding
+        self.relative_attention_num_buckets = config.relative_attention_num_buckets
+        self.relative_attention_max_distance = config.relative_attention_max_distance
+        self.scale = config.effective_attention_scale
+        self.dropout = config.attention_dropout_rate
+        self.backend = config.attention_backend
+        self.rope_theta = config.rope_theta
+        self.has_relative_attention_bias = has_relative_attention_bias and self.position_encoding in ("t5", "fire")
+
+        self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.v = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.o = nn.Linear(self.inner_dim, config.d_model, bias=False)
+        if self.has_relative_attention_bias and self.position_encoding == "t5":
+            self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, self.n_heads)
+        if self.has_relative_attention_bias and self.position_encoding == "fire":
+            self.fire = FAT5FIRE(config, bidirectional=not is_decoder)
+
+    def _position_arguments(self, owner: "FAT5Attention", query_length: int, key_length: int, query_offset: int, device):
+        if self.position_encoding == "t5":
+            return dict(
+                position_encoding="t5",
+                relative_attention_bias=owner.relative_attention_bias.weight,
+                bidirectional=not self.is_decoder,
+                num_buckets=self.relative_attention_num_buckets,
+                max_distance=self.relative_attention_max_distance,
+            )
+        if self.position_encoding == "alibi":
+            return dict(position_encoding="alibi", alibi_slopes=alibi_slopes(self.n_heads).to(device))
+        if self.position_encoding == "fire":
+            return dict(position_encoding="bias", attn_bias=owner.fire(query_length, key_length, query_offset))
+        return dict(position_encoding="none")
+
+    def _rotate(self, states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # states: (batch, heads, length, head_dim); position_ids: (batch, length)
+        cos, sin = rotary_cos_sin(position_ids, self.key_value_proj_dim, self.rope_theta, dtype=torch.float32)
+        return apply_rotary(states, cos[:, None], sin[:, None], backend=self.backend)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layout: TokenLayout,
+        key_value_states: torch.Tensor | None = None,
+        key_value_layout: TokenLayout | None = None,
+        position_owner: "FAT5Attention | None" = None,
+        past_key_values: EncoderDecoderCache | None = None,
+    ) -> torch.Tensor:
+        batch_size, query_length, _ = hidden_states.shape
+        owner = self if self.has_relative_attention_bias else position_owner
+        key_value_layout = layout if key_value_layout is None else key_value_layout
+        query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+
+        query_offset = 0
+        if past_key_values is not None and not self.is_cross_attention:
+            query_offset = past_key_values.self_attention_cache.get_seq_length(self.layer_idx)
+        if self.position_encoding == "rope":
+            query = self._rotate(query, layout.position_ids)
+
+        if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+            cached = past_key_values.cross_attention_cache.layers[self.layer_idx]
+            key, value = cached.keys, cached.values
+        else:
+            source = key_value_states if self.is_cross_attention else hidden_states
+            kv_shape = (batch_size, source.shape[1], self.n_heads, self.key_value_proj_dim)
+            key = self.k(source).view(kv_shape).transpose(1, 2)
+            value = self.v(source).view(kv_shape).transpose(1, 2)
+            if self.position_encoding == "rope":
+                key = self._rotate(key, key_value_layout.position_ids)
+            if past_key_values is not None:
+                if self.is_cross_attention:
+                    key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
+                    past_key_values.is_updated[self.layer_idx] = True
+                else:
+                    key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+
+        key_length = key.shape[2]
+        dropout_p = self.dropout if self.training else 0.0
+        # the fused kernels do not drop attention probabilities: training with attention dropout takes the reference
+        backend = "reference" if dropout_p > 0 else self.backend
+
+        if layout.is_packed:
+            flat_shape = (-1, self.n_heads, self.key_value_proj_dim)
+            packed_query = query.transpose(1, 2).reshape(flat_shape)[layout.indices]
+            packed_key = key.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
+            packed_value = value.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
+            position = self._position_arguments(owner, layout.max_seqlen, key_value_layout.max_seqlen, 0, query.device)
+            packed_output = attention_varlen(
+                packed_query, packed_key, packed_value, layout.cu_seqlens, key_value_layout.cu_seqlens,
+                layout.max_seqlen, key_value_layout.max_seqlen,
+                scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend, **position,
+            )
+            output = packed_output.new_zeros(batch_size * query_length, self.n_heads, self.key_value_proj_dim)
+            output = output.index_copy(0, layout.indices, packed_output)
+            output = output.view(batch_size, query_length, self.inner_dim)
+        else:
+            key_padding_mask = key_value_layout.padding_mask
+            if key_padding_mask is not None and key_padding_mask.shape[1] != key_length:
+                raise ValueError(
+                    f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
+                    "keys (when decoding with a cache, the decoder mask must cover the cached tokens too)"
+                )
+            position = self._position_arguments(owner, query_length, key_length, query_offset, query.device)
+            output = attention(
+                query, key, value,
+                scale=self.scale, causal=self.causal, key_padding_mask=key_padding_mask, query_offset=query_offset,
+                dropout_p=dropout_p, backend=backend, **position,
+            )
+            output = output.transpose(1, 2).reshape(batch_size, query_length, self.inner_dim)
+        return self.o(output)
+
+
+class FAT5LayerSelfAttention(nn.Module):
+    def __init__(self, config, has_relative_attention_bias=False, is_decoder=False, layer_idx=None):
+        super().__init__()
+        self.SelfAttention = FAT5Attention(
+            config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, layer_idx=layer_idx
+        )
+        self.layer_norm = _layer_norm(config)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, layout, position_owner=None, past_key_values=None):
+        attention_output = self.SelfAttention(
+            self.layer_norm(hidden_states), layout, position_owner=position_owner, past_key_values=past_key_values
+        )
+        return hidden_states + self.dropout(attention_output)
+
+
+class FAT5LayerCrossAttention(nn.Module):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.EncDecAttention = FAT5Attention(config, is_decoder=True, is_cross_attention=True, layer_idx=layer_idx)
+        self.layer_norm = _layer_norm(config)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None):
+        attention_output = self.EncDecAttention(
+            self.layer_norm(hidden_states),
+            layout,
+            key_value_states=key_value_states,
+            key_value_layout=key_value_layout,
+            past_key_values=past_key_values,
+        )
+        return hidden_states + self.dropout(attention_output)
+
+
+class FAT5Block(GradientCheckpointingLayer):
+    def __init__(self, config, has_relative_attention_bias=False, is_decoder=False, layer_idx=None):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.layer = nn.ModuleList()
+        self.layer.append(
+            FAT5LayerSelfAttention(
+                config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, layer_idx=layer_idx
+            )
+        )
+        if is_decoder:
+            self.layer.append(FAT5LayerCrossAttention(config, layer_idx=layer_idx))
+        self.layer.append(FAT5LayerFF(config))
+
+    def forward(
+        self,
+        hidden_states,
+        layout,
+        encoder_hidden_states=None,
+        encoder_layout=None,
+        position_owner=None,
+        past_key_values=None,
+    ):
+        hidden_states = _clamp_fp16(self.layer[0](hidden_states, layout, position_owner, past_key_values))
+        if self.is_decoder and encoder_hidden_states is not None:
+            hidden_states = _clamp_fp16(
+                self.layer[1](hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values)
+            )
+        return _clamp_fp16(self.layer[-1](hidden_states))
+
+
+class FAT5Stack(nn.Module):
+    """The encoder or the decoder: blocks between an embedding (shared, owned by the model) and a final norm."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config: FAT5Config, embed_tokens: nn.Embedding, is_decoder: bool):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.is_decoder = is_decoder
+        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
+        self.block = nn.ModuleList(
+            [
+                FAT5Block(
+                    config,
+                    has_relative_attention_bias=config.position_bias_per_layer or i == 0,
+                    is_decoder=is_decoder,
+                    layer_idx=i,
+                )
+                for i in range(num_layers)
+            ]
+        )
+        self.final_layer_norm = _layer_norm(config)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.gradient_checkpointing = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        segment_ids=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        encoder_segment_ids=None,
+        past_key_values=None,
+        output_hidden_states=False,
+        return_dict=None,
+        **kwargs,
+    ):
+        _check_no_attention_weights(kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, length = inputs_embeds.shape[:2]
+        if segment_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("give either segment_ids (packed rows) or an attention_mask (padded rows), not both")
+            if past_key_values is not None:
+                raise ValueError("packed rows (segment_ids) cannot be decoded with a KV cache")
+            if segment_ids.shape != (batch_size, length):
+                raise ValueError(f"segment_ids must be {(batch_size, length)}, got {tuple(segment_ids.shape)}")
+            layout = TokenLayout.packed(segment_ids)
+        else:
+            offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+            layout = TokenLayout.padded(batch_size, length, attention_mask, offset, inputs_embeds.device)
+
+        encoder_layout = None
+        if encoder_hidden_states is not None:
+            if encoder_segment_ids is not None:
+                encoder_layout = TokenLayout.packed(encoder_segment_ids)
+                if not layout.is_packed or not torch.equal(layout.segment_keys, encoder_layout.segment_keys):
+                    raise ValueError(
+                        "decoder_segment_ids must hold the same examples, row by row, as the encoder's segment_ids"
+                    )
+            else:
+                if layout.is_packed:
+                    raise ValueError("packed decoder rows (decoder_segment_ids) need the encoder's segment_ids")
+                encoder_layout = TokenLayout.padded(
+                    batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device
+                )
+
+        position_owner = self.block[0].layer[0].SelfAttention
+        all_hidden_states = () if output_hidden_states else None
+        hidden_states = self.dropout(inputs_embeds)
+        for block in self.block:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states = block(
+                hidden_states,
+                layout,
+                encoder_hidden_states,
+                encoder_layout,
+                position_owner,
+                past_key_values,
+            )
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+        )
+
+
+@dataclass
+class FAT5Seq2SeqLMOutput(Seq2SeqLMOutput):
+    """``Seq2SeqLMOutput`` with the two parts of the loss: ``loss = ce_loss + z_loss``."""
+
+    ce_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+def _check_no_attention_weights(kwargs: dict) -> None:
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "FAT5's fused attention never materialises attention weights, so output_attentions=True is not supported"
+        )
+
+
+class FAT5PreTrainedModel(PreTrainedModel):
+    config_class = FAT5Config
+    config: FAT5Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FAT5Block"]
+    _supports_cache_class = True
+    _can_compile_fullgraph = False
+    # the names that may share the embedding's storage (what save_pretrained dedups); which ones actually do is
+    # decided per model by get_expanded_tied_weights_keys
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+        "lm_head.weight": "shared.weight",
+    }
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # The stacks use the model's embedding module itself, always; lm_head shares its weight only when the config
+        # says so. (transformers' default ties nothing at all when tie_word_embeddings is False, FLAN-T5's case.)
+        tied = {f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder") if hasattr(self, stack)}
+        if self.config.tie_word_embeddings and isinstance(getattr(self, "lm_head", None), nn.Linear):
+            tied["lm_head.weight"] = "shared.weight"
+        return tied
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """T5's initialisation (through transformers' `init`, which leaves weights loaded from a checkpoint alone)."""
+        factor = self.config.initializer_factor
+        d_model, d_kv, n_heads = self.config.d_model, self.config.d_kv, self.config.num_heads
+        if isinstance(module, FAT5LayerNorm):
+            init.constant_(module.weight, factor)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=factor)
+        elif isinstance(module, FAT5Attention):
+            init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
+            init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.o.weight, mean=0.0, std=factor * (n_heads * d_kv) ** -0.5)
+            if hasattr(module, "relative_attention_bias"):
+                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
+        elif isinstance(module, (FAT5DenseActDense, FAT5DenseGatedActDense)):
+            for name in ("wi", "wi_0", "wi_1"):
+                if hasattr(module, name):
+                    init.normal_(getattr(module, name).weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.wo.weight, mean=0.0, std=factor * self.config.d_ff**-0.5)
+        elif isinstance(module, FAT5FIRE):
+            for layer in module.mlp:
+                if isinstance(layer, nn.Linear):
+                    init.xavier_uniform_(layer.weight)
+                    init.zeros_(layer.bias)
+            init.constant_(module.c, self.config.fire_init_c)
+            init.constant_(module.threshold, self.config.fire_init_threshold)
+        elif isinstance(module, FAT5ClassificationHead):
+            for layer in (module.dense, module.out_proj):
+                init.normal_(layer.weight, mean=0.0, std=factor * d_model**-0.5)
+                init.zeros_(layer.bias)
+        elif isinstance(module, (FAT5ForConditionalGeneration, FAT5ForTokenClassification, FAT5ForQuestionAnswering)):
+            head = getattr(module, "lm_head", None) or getattr(module, "classifier", None) or module.qa_outputs
+            std = 1.0 if head is getattr(module, "lm_head", None) else d_model**-0.5
+            if not (head is getattr(module, "lm_head", None) and self.config.tie_word_embeddings):
+                init.normal_(head.weight, mean=0.0, std=factor * std)
+            if head.bias is not None:
+                init.zeros_(head.bias)
+
+    def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
+        decoder_start_token_id = self.config.decoder_start_token_id
+        pad_token_id = self.config.pad_token_id
+        if decoder_start_token_id is None or pad_token_id is None:
+            raise ValueError("config.decoder_start_token_id and config.pad_token_id must be set to shift labels right")
+        shifted = input_ids.new_zeros(input_ids.shape)
+        shifted[..., 1:] = input_ids[..., :-1].clone()
+        shifted[..., 0] = decoder_start_token_id
+        return shifted.masked_fill(shifted == -100, pad_token_id)
+
+    def _lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None):
+        backend = self.config.attention_backend if self.config.use_fused_cross_entropy else "reference"
+        ce_loss, z_loss = cross_entropy(
+            logits.view(-1, logits.shape[-1]),
+            labels.to(logits.device).view(-1),
+            ignore_index=-100,
+            label_smoothing=self.config.label_smoothing,
+            z_loss=self.config.z_loss,
+            num_items_in_batch=num_items_in_batch,
+            backend=backend,
+        )
+        return ce_loss + z_loss, ce_loss, z_loss
+
+
+class FAT5Model(FAT5PreTrainedModel):
+    """The bare encoder-decoder, returning the decoder's last hidden states."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.embed_tokens = new_embeddings
+        self.decoder.embed_tokens = new_embeddings
+
+    def get_encoder(self):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        segment_ids=None,
+        decoder_segment_ids=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        _check_no_attention_weights(kwargs)
+        encoder_outputs, decoder_outputs = _encode_decode(
+            self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            past_key_values, inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache,
+            output_hidden_states,
+        )
+        output = Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+def _encode_decode(
+    model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+    inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache, output_hidden_states,
+):
+    """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked."""
+    if encoder_outputs is None:
+        encoder_outputs = model.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            segment_ids=segment_ids,
+            output_hidden_states=bool(output_hidden_states),
+        )
+    elif not isinstance(encoder_outputs, BaseModelOutput):
+        encoder_outputs = BaseModelOutput(
+            last_hidden_state=encoder_outputs[0],
+            hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+        )
+    use_cache = model.config.use_cache if use_cache is None else use_cache
+    if use_cache and past_key_values is None and decoder_segment_ids is None and not model.training:
+        past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    if not use_cache:
+        past_key_values = None
+    decoder_outputs = model.decoder(
+        input_ids=decoder_input_ids,
+        attention_mask=decoder_attention_mask,
+        inputs_embeds=decoder_inputs_embeds,
+        segment_ids=decoder_segment_ids,
+        encoder_hidden_states=encoder_outputs.last_hidden_state,
+        encoder_attention_mask=attention_mask,
+        encoder_segment_ids=segment_ids,
+        past_key_values=past_key_values,
+        output_hidden_states=bool(output_hidden_states),
+    )
+    return encoder_outputs, decoder_outputs
+
+
+class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
+    """FAT5 with its language-modelling head: training with fused cross-entropy + z-loss, and ``generate``.
+
+    Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
+    examples per row, numbered 1..n, 0 on padding; segment ``s`` of the decoder row is the target of segment ``s``
+    of the encoder row; the decoder inputs must then be given, shifted per segment) and ``num_items_in_batch``
+    (the Trainer's count of labelled tokens across gradient-accumulation steps: the loss is their sum over it).
+    """
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.model_dim = config.d_model
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.embed_tokens = new_embeddings
+        self.decoder.embed_tokens = new_embeddings
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def get_encoder(self):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        labels=None,
+        segment_ids=None,
+        decoder_segment_ids=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> FAT5Seq2SeqLMOutput:
+        _check_no_attention_weights(kwargs)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            if decoder_segment_ids is not None:
+                raise ValueError("packed rows need decoder_input_ids shifted per segment; the model cannot shift them")
+            decoder_input_ids = self._shift_right(labels)
+        encoder_outputs, decoder_outputs = _encode_decode(
+            self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            past_key_values, inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache,
+            output_hidden_states,
+        )
+        sequence_output = decoder_outputs.last_hidden_state
+        if self.config.scale_decoder_outputs:
+            sequence_output = sequence_output * (self.model_dim**-0.5)
+        logits = self.lm_head(sequence_output)
+
+        loss = ce_loss = z_loss = None
+        if labels is not None:
+            loss, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
+        output = FAT5Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            ce_loss=ce_loss,
+            z_loss=z_loss,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return self._shift_right(labels)
+
+
+class FAT5EncoderModel(FAT5PreTrainedModel):
+    """The encoder alone (embeddings, blocks, final norm): sentence embeddings and encoder task heads."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.embed_tokens = new_embeddings
+
+    def get_encoder(self):
+        return self.encoder
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        segment_ids=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        _check_no_attention_weights(kwargs)
+        outputs = self.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            segment_ids=segment_ids,
+            output_hidden_states=bool(output_hidden_states),
+        )
+        output = BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+        return output if return_dict is not False else output.to_tuple()
+
+
+class _FAT5EncoderWithHead(FAT5PreTrainedModel):
+    """An encoder task head: the encoder's parameters keep the full model's names, so a converted checkpoint loads."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.embed_tokens = new_embeddings
+
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs):
+        _check_no_attention_weights(kwargs)
+        return self.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=bool(output_hidden_states),
+        )
+
+
+class FAT5ClassificationHead(nn.Module):
+    """T5's sentence classification head: dense, tanh, projection."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dropout = nn.Dropout(p=config.classifier_dropout)
+        self.out_proj = nn.Linear(config.d_model, config.num_labels)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = torch.tanh(self.dense(self.dropout(hidden_states)))
+        return self.out_proj(self.dropout(hidden_states))
+
+
+class FAT5ForSequenceClassification(_FAT5EncoderWithHead):
+    """Encoder + mean pooling over the unpadded tokens + classification head (regression when num_labels == 1)."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.classification_head = FAT5ClassificationHead(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
+        hidden_states = outputs.last_hidden_state
+        if attention_mask is None:
+            pooled = hidden_states.mean(dim=1)
+        else:
+            weights = attention_mask.to(hidden_states.dtype)[..., None]
+            pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+        logits = self.classification_head(pooled)
+        loss = None
+        if labels is not None:
+            loss = _sequence_classification_loss(self.config, logits, labels)
+        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if return_dict is not False else output.to_tuple()
+
+
+def _sequence_classification_loss(config, logits, labels):
+    """transformers' convention: regression for one label, single- or multi-label classification otherwise."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return nn.functional.mse_loss(logits.squeeze(-1).float(), labels.squeeze(-1).float())
+    if config.problem_type == "single_label_classification":
+        return nn.functional.cross_entropy(logits.float().view(-1, config.num_labels), labels.view(-1))
+    return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class FAT5ForTokenClassification(_FAT5EncoderWithHead):
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.float().view(-1, self.config.num_labels), labels.view(-1))
+        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return output if return_dict is not False else output.to_tuple()
+
+
+class FAT5ForQuestionAnswering(_FAT5EncoderWithHead):
+    """Extractive question answering: start and end logits over the encoder's tokens."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.qa_outputs = nn.Linear(config.d_model, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]
+            start_loss = nn.functional.cross_entropy(
+                start_logits, start_positions.clamp(0, ignored), ignore_index=ignored
+            )
+            end_loss = nn.functional.cross_entropy(end_logits, end_positions.clamp(0, ignored), ignore_index=ignored)
+            loss = (start_loss + end_loss) / 2
+        output = QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+__all__ = [
+    "FAT5PreTrainedModel",
+    "FAT5Model",
+    "FAT5ForConditionalGeneration",
+    "FAT5EncoderModel",
+    "FAT5ForSequenceClassification",
+    "FAT5ForTokenClassification",
+    "FAT5ForQuestionAnswering",
+]

@@ -1,0 +1,227 @@
+"""FAT5 against transformers' own T5 / UMT5: same weights, same logits, same loss, same generated ids."""
+
+import pytest
+import torch
+from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration
+
+from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration, FAT5Model
+
+TINY = dict(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            decoder_start_token_id=0)
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def fat5_from_hf(hf_model, family):
+    """Copy an HF model's weights into a FAT5 model by name (the names are T5's on both sides)."""
+    hf_config = hf_model.config
+    config = FAT5Config(
+        **TINY,
+        feed_forward_proj=hf_config.feed_forward_proj,
+        tie_word_embeddings=family == "t5",
+        # what the installed transformers does: T5 reads `scale_decoder_outputs`, UMT5 scales when tied (always, in 5.x)
+        scale_decoder_outputs=getattr(hf_config, "scale_decoder_outputs", hf_config.tie_word_embeddings),
+        position_bias_per_layer=family == "umt5",
+        attention_backend="reference",
+    )
+    model = FAT5ForConditionalGeneration(config).eval()
+    missing, unexpected = model.load_state_dict(hf_model.state_dict(), strict=False)
+    assert not [k for k in missing if "embed_tokens" not in k], missing
+    assert not [k for k in unexpected if "embed_tokens" not in k], unexpected
+    return model
+
+
+def make_hf(family, seed=0):
+    torch.manual_seed(seed)
+    if family == "t5":
+        hf = T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="relu"))
+    elif family == "t5v1.1":
+        hf = T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+    else:
+        hf = UMT5ForConditionalGeneration(UMT5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+    if family != "t5":
+        # transformers 5 ties lm_head to the embedding whatever the config says; untie it, as in a real v1.1 checkpoint
+        hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight) * 0.5)
+    return hf.eval()
+
+
+def padded_batch(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, TINY["vocab_size"], (3, 11), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 7:] = 0
+    attention_mask[2, 3:] = 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+    labels = torch.randint(2, TINY["vocab_size"], (3, 6), generator=generator)
+    labels[2, 4:] = -100
+    return input_ids, attention_mask, labels
+
+
+@pytest.mark.parametrize("family", ["t5", "t5v1.1", "umt5"])
+def test_logits_and_loss_match_transformers(family):
+    hf = make_hf(family)
+    model = fat5_from_hf(hf, family)
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        actual = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert relative_error(actual.logits, expected.logits) < 1e-5
+    assert relative_error(actual.encoder_last_hidden_state, expected.encoder_last_hidden_state) < 1e-5
+    assert abs(actual.loss.item() - expected.loss.item()) < 1e-5 * abs(expected.loss.item())
+    assert actual.z_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("family", ["t5", "t5v1.1", "umt5"])
+def test_generation_matches_transformers(family):
+    hf = make_hf(family, seed=3)
+    model = fat5_from_hf(hf, family)
+    input_ids, attention_mask, _ = padded_batch(seed=4)
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    for extra in (dict(num_beams=1), dict(num_beams=3)):
+        expected = hf.generate(input_ids=input_ids, attention_mask=attention_mask, **settings, **extra)
+        actual = model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings, **extra)
+        assert torch.equal(actual, expected), extra
+
+
+def test_encoder_model_matches_transformers():
+    torch.manual_seed(0)
+    hf = T5EncoderModel(T5Config(**TINY, feed_forward_proj="gated-gelu")).eval()
+    model = FAT5EncoderModel(FAT5Config(**TINY, feed_forward_proj="gated-gelu", attention_backend="reference")).eval()
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    assert not [k for k in missing + unexpected if "embed_tokens" not in k]
+    input_ids, attention_mask, _ = padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        actual = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    assert relative_error(actual, expected) < 1e-5
+
+
+def test_num_items_in_batch_makes_the_loss_a_sum_over_it():
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        mean_loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        summed = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=100).loss
+    labelled = (labels != -100).sum().item()
+    torch.testing.assert_close(summed, mean_loss * labelled / 100, rtol=1e-5, atol=1e-7)
+
+
+def test_z_loss_is_reported_apart_and_added():
+    config = FAT5Config(**TINY, attention_backend="reference", z_loss=1e-2)
+    model = FAT5ForConditionalGeneration(config).eval()
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    logits = output.logits.view(-1, TINY["vocab_size"])
+    kept = labels.view(-1) != -100
+    expected_z = 1e-2 * torch.logsumexp(logits[kept], dim=-1).pow(2).mean()
+    expected_ce = torch.nn.functional.cross_entropy(logits, labels.view(-1))
+    torch.testing.assert_close(output.z_loss, expected_z, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(output.ce_loss, expected_ce, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(output.loss, expected_ce + expected_z, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
+def test_packed_rows_give_each_example_its_own_logits(position_encoding):
+    """Two examples packed in one row see nothing of each other: each gets the logits it gets alone."""
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", position_encoding=position_encoding,
+                        attention_backend="reference")
+    model = FAT5ForConditionalGeneration(config).eval()
+    encoder_parts = [torch.randint(2, 96, (n,)) for n in (5, 4)]
+    decoder_parts = [torch.randint(2, 96, (n,)) for n in (3, 4)]
+    input_ids = torch.cat(encoder_parts + [torch.zeros(2, dtype=torch.long)])[None]
+    segment_ids = torch.tensor([[1] * 5 + [2] * 4 + [0] * 2])
+    decoder_input_ids = torch.cat(decoder_parts + [torch.zeros(1, dtype=torch.long)])[None]
+    decoder_segment_ids = torch.tensor([[1] * 3 + [2] * 4 + [0]])
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=decoder_input_ids,
+                       decoder_segment_ids=decoder_segment_ids).logits[0]
+        alone = [model(input_ids=e[None], decoder_input_ids=d[None]).logits[0] for e, d in zip(encoder_parts, decoder_parts)]
+    assert relative_error(packed[:3], alone[0]) < 1e-5
+    assert relative_error(packed[3:7], alone[1]) < 1e-5
+
+
+@pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
+def test_cached_decoding_equals_full_forward(position_encoding):
+    """Step-by-step decoding with the KV cache gives the logits of one causal forward over the whole prefix."""
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, position_encoding=position_encoding, attention_backend="reference")
+    model = FAT5ForConditionalGeneration(config).eval()
+    input_ids, attention_mask, _ = padded_batch()
+    decoder_input_ids = torch.randint(2, 96, (3, 6))
+    with torch.no_grad():
+        full = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                     use_cache=False).logits
+        encoder_outputs = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
+        past, steps = None, []
+        for t in range(decoder_input_ids.shape[1]):
+            output = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                           decoder_input_ids=decoder_input_ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = output.past_key_values
+            steps.append(output.logits)
+    assert relative_error(torch.cat(steps, dim=1), full) < 1e-5
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", attention_backend="reference")
+    model = FAT5ForConditionalGeneration(config).train()
+    input_ids, attention_mask, labels = padded_batch()
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable()
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in plain
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+
+
+def test_auto_classes_round_trip(tmp_path):
+    from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, tie_word_embeddings=False, attention_backend="reference"))
+    model.save_pretrained(tmp_path)
+    assert "auto_map" not in AutoConfig.from_pretrained(tmp_path).to_dict()
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, FAT5ForConditionalGeneration)
+    assert not torch.equal(loaded.lm_head.weight, loaded.shared.weight)
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        expected = model.eval()(input_ids=input_ids, attention_mask=attention_mask, labels=labels).logits
+        actual = loaded(input_ids=input_ids, attention_mask=attention_mask, labels=labels).logits
+    torch.testing.assert_close(actual, expected)
+    assert isinstance(AutoModel.from_pretrained(tmp_path), FAT5Model)
+
+
+def test_tied_model_shares_its_head(tmp_path):
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference"))
+    assert model.lm_head.weight is model.shared.weight
+    model.save_pretrained(tmp_path)
+    loaded = FAT5ForConditionalGeneration.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.shared.weight
+    torch.testing.assert_close(loaded.shared.weight, model.shared.weight)
+
+
+def test_bad_inputs_get_clear_errors():
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    input_ids, attention_mask, labels = padded_batch()
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=input_ids, labels=labels, output_attentions=True)
+    with pytest.raises(ValueError, match="attention mask covers 5 positions"):
+        model(input_ids=input_ids, attention_mask=attention_mask[:, :5], labels=labels)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(input_ids=input_ids, segment_ids=torch.ones_like(input_ids), attention_mask=attention_mask, labels=labels)
+    with pytest.raises(ValueError, match="contiguous"):
+        model.get_encoder()(input_ids=input_ids[:1, :4], segment_ids=torch.tensor([[1, 2, 1, 0]]))
+    with pytest.raises(ValueError, match="exactly one"):
+        model.get_encoder()()
