@@ -172,6 +172,46 @@ def _(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_inde
     return None
 
 
+@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_rescale_grad", mutates_args=())
+def _cross_entropy_rescale_grad(
+    grad_logits: torch.Tensor,
+    labels: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    normaliser: torch.Tensor,
+    grad_ce: torch.Tensor,
+    grad_z: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:
+    """Out-of-place twin of ``cross_entropy_rescale_grad_`` for traced graphs (see ``_rescaled``)."""
+    rescaled = grad_logits.clone()
+    _cross_entropy_rescale_grad_(
+        rescaled, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss
+    )
+    return rescaled
+
+
+@_cross_entropy_rescale_grad.register_fake
+def _(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss):
+    return torch.empty_like(grad_logits)
+
+
+def _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, options):
+    """The gradient for upstream gradients (grad_ce, grad_z), from the unit-upstream one stored by the forward.
+
+    Eagerly the stored buffer is rescaled in place (a no-op on the device for unit upstream gradients). A traced
+    backward (AOTAutograd hands it functional/fake tensor subclasses) gets the out-of-place op instead: AOTAutograd
+    cannot partition a backward that mutates a tensor saved by the forward.
+    """
+    grad_ce = _upstream(grad_ce, grad_logits)
+    grad_z = _upstream(grad_z, grad_logits)
+    if type(grad_logits) is not torch.Tensor:
+        return _cross_entropy_rescale_grad(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, *options)
+    _cross_entropy_rescale_grad_(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, *options)
+    return grad_logits
+
+
 def _upstream(grad, reference):
     if grad is None:
         return torch.zeros((), dtype=torch.float32, device=reference.device)
@@ -180,8 +220,12 @@ def _upstream(grad, reference):
 
 def _setup_context(ctx, inputs, output):
     _, labels, normaliser, ignore_index, label_smoothing, z_loss, compute_grad = inputs
-    _, _, log_sum_exp, grad_logits = output
+    ce, z, log_sum_exp, grad_logits = output
     ctx.compute_grad = compute_grad
+    ctx.mark_non_differentiable(log_sum_exp, grad_logits)
+    if not compute_grad:
+        # No gradient was stored, so the losses are constants for autograd.
+        ctx.mark_non_differentiable(ce, z)
     ctx.options = (ignore_index, label_smoothing, z_loss)
     ctx.save_for_backward(labels, normaliser, log_sum_exp, grad_logits)
 
@@ -190,10 +234,7 @@ def _backward(ctx, grad_ce, grad_z, _grad_log_sum_exp, _grad_grad_logits):
     if not ctx.compute_grad:
         raise RuntimeError("cross_entropy ran its forward without a gradient (compute_grad=False) and cannot backward")
     labels, normaliser, log_sum_exp, grad_logits = ctx.saved_tensors
-    _cross_entropy_rescale_grad_(
-        grad_logits, labels, log_sum_exp, normaliser, _upstream(grad_ce, grad_logits), _upstream(grad_z, grad_logits),
-        *ctx.options,
-    )
+    grad_logits = _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ctx.options)
     return grad_logits, None, None, None, None, None, None
 
 
@@ -219,10 +260,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
         grad_logits, labels, normaliser, log_sum_exp = ctx.saved_tensors
-        _cross_entropy_rescale_grad_(
-            grad_logits, labels, log_sum_exp, normaliser, _upstream(grad_ce, grad_logits),
-            _upstream(grad_z, grad_logits), *ctx.options,
-        )
+        grad_logits = _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ctx.options)
         return grad_logits, None, None, None, None, None
 
 

@@ -133,5 +133,8 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-
             f"rms_norm's Triton path takes fp32/fp16/bf16, got hidden_states {hidden_states.dtype} and weight "
             f"{weight.dtype}; use backend='reference' for other dtypes"
         )
+    if hidden_states.shape[-1] > _kernels.MAX_WIDTH:
+        # A row wider than one program's registers: the reference is the better kernel there.
+        return rms_norm_reference(hidden_states, weight, eps)
     output, _ = _rms_norm_forward(hidden_states, weight, float(eps))
     return output

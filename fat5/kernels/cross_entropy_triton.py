@@ -1,0 +1,163 @@
+"""Triton kernels for cross-entropy with z-loss and label smoothing; imported lazily by ``cross_entropy.py``.
+
+One program per row. It computes the row's logsumexp online in fp32 over blocks of the vocabulary, then, when a
+gradient is wanted, walks the row again, backwards, so the blocks it read last (still in L2) come first, and writes
+the gradient for unit upstream gradients, already divided by the normaliser:
+
+    d(ce + z)/dx_j = softmax_j * (1 + 2 * z_loss * lse) - (1 - s) * [j == label] - s / V,   all / normaliser
+
+A row whose label is ``ignore_index`` reads nothing and writes zeros. The rescale kernel, run by the backward,
+turns that into the gradient for arbitrary upstream gradients (g_ce, g_z), reading both from the device and leaving
+at once when they are 1, so no host synchronisation is ever needed.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # cross_entropy.py falls back to the reference
+    raise ImportError("cross_entropy_triton needs the `triton` package") from error
+
+import torch
+
+@triton.jit
+def _cross_entropy_forward_kernel(
+    logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, normaliser_ptr,
+    ce_ptr, z_ptr, log_sum_exp_ptr,
+    vocab_size, ignore_index, label_smoothing, z_loss,
+    COMPUTE_GRAD: tl.constexpr, LABEL_SMOOTHING: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    grad_row = grad_ptr + row * grad_row_stride
+    offsets = tl.arange(0, BLOCK_SIZE)
+
+    if label == ignore_index:
+        tl.store(ce_ptr + row, 0.0)
+        tl.store(z_ptr + row, 0.0)
+        tl.store(log_sum_exp_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros((BLOCK_SIZE,), dtype=grad_ptr.dtype.element_ty)
+            for block in range(NUM_BLOCKS):
+                cols = block * BLOCK_SIZE + offsets
+                tl.store(grad_row + cols, zeros, mask=cols < vocab_size)
+    else:
+        # Online logsumexp in base 2: running max m and sum of 2^(x*log2e - m), in fp32.
+        running_max = -float("inf")
+        running_sum = 0.0
+        logit_sum = 0.0
+        for block in range(NUM_BLOCKS):
+            cols = block * BLOCK_SIZE + offsets
+            x = tl.load(logits_row + cols, mask=cols < vocab_size, other=-float("inf")).to(tl.float32)
+            x = x * 1.4426950408889634
+            block_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp2(running_max - block_max) + tl.sum(tl.exp2(x - block_max), axis=0)
+            running_max = block_max
+            if LABEL_SMOOTHING:
+                logit_sum += tl.sum(tl.where(cols < vocab_size, x, 0.0), axis=0)
+        log_sum_exp = (running_max + tl.log2(running_sum)) * 0.6931471805599453
+
+        label_in_range = (label >= 0) & (label < vocab_size)
+        label_logit = tl.load(logits_row + label, mask=label_in_range, other=0.0).to(tl.float32)
+        ce = log_sum_exp - label_logit
+        if LABEL_SMOOTHING:
+            mean_logit = logit_sum * 0.6931471805599453 / vocab_size
+            ce = (1.0 - label_smoothing) * ce + label_smoothing * (log_sum_exp - mean_logit)
+        tl.store(ce_ptr + row, ce)
+        tl.store(z_ptr + row, z_loss * log_sum_exp * log_sum_exp)
+        tl.store(log_sum_exp_ptr + row, log_sum_exp)
+
+        if COMPUTE_GRAD:
+            inverse_normaliser = 1.0 / tl.load(normaliser_ptr)
+            probability_scale = (1.0 + 2.0 * z_loss * log_sum_exp) * inverse_normaliser
+            smoothing_term = label_smoothing / vocab_size * inverse_normaliser
+            label_term = (1.0 - label_smoothing) * inverse_normaliser
+            log2_sum_exp = log_sum_exp * 1.4426950408889634
+            for reverse_block in range(NUM_BLOCKS):
+                cols = (NUM_BLOCKS - 1 - reverse_block) * BLOCK_SIZE + offsets
+                col_mask = cols < vocab_size
+                x = tl.load(logits_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                grad = tl.exp2(x * 1.4426950408889634 - log2_sum_exp) * probability_scale - smoothing_term
+                grad = tl.where(cols == label, grad - label_term, grad)
+                tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _cross_entropy_rescale_grad_kernel(
+    grad_ptr, grad_row_stride, labels_ptr, log_sum_exp_ptr, normaliser_ptr, grad_ce_ptr, grad_z_ptr,
+    vocab_size, ignore_index, label_smoothing, z_loss,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    grad_ce = tl.load(grad_ce_ptr).to(tl.float32)
+    grad_z = tl.load(grad_z_ptr).to(tl.float32)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    # The stored gradient is already the one for unit upstream gradients; ignored rows hold zeros either way.
+    needs_rescale = (grad_ce != 1.0) | ((grad_z != 1.0) & (z_loss != 0.0))
+    if needs_rescale & (label != ignore_index):
+        # stored = p * c / N - t with c = 1 + 2 z lse and t the label/smoothing target over N; the wanted gradient
+        # g_ce * (p / N - t) + g_z * (c - 1) * p / N = (stored + t) * (g_ce + g_z * (c - 1)) / c - g_ce * t.
+        log_sum_exp = tl.load(log_sum_exp_ptr + row)
+        inverse_normaliser = 1.0 / tl.load(normaliser_ptr)
+        c = 1.0 + 2.0 * z_loss * log_sum_exp
+        probability_factor = (grad_ce + grad_z * (c - 1.0)) / c
+        smoothing_term = label_smoothing / vocab_size * inverse_normaliser
+        label_term = (1.0 - label_smoothing) * inverse_normaliser
+        cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        col_mask = cols < vocab_size
+        grad_row = grad_ptr + row * grad_row_stride
+        stored = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+        target = tl.where(cols == label, smoothing_term + label_term, smoothing_term)
+        grad = (stored + target) * probability_factor - grad_ce * target
+        tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+
+
+def forward_config(vocab_size: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps) for the forward: blocks of up to 8k logits, 8 warps (tuned on an H100)."""
+    block_size = min(8192, triton.next_power_of_2(vocab_size))
+    num_warps = 8 if block_size >= 4096 else 4
+    return block_size, num_warps
+
+
+def cross_entropy_forward(
+    logits, labels, normaliser, grad_logits, ignore_index, label_smoothing, z_loss, block_size=None, num_warps=None
+):
+    """Launch the forward on 2-D ``logits`` (unit stride along the vocabulary).
+
+    Writes the unit-upstream gradient into ``grad_logits`` when it is given (it may be ``logits`` itself) and
+    returns ``(ce, z, log_sum_exp)``: the two losses summed in fp32 and divided by ``normaliser``, and the per-row
+    logsumexp the rescale kernel needs.
+    """
+    n_rows, vocab_size = logits.shape
+    per_row_losses = torch.empty((2, n_rows), dtype=torch.float32, device=logits.device)
+    log_sum_exp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows > 0:
+        default_block, default_warps = forward_config(vocab_size)
+        block_size = block_size or default_block
+        compute_grad = grad_logits is not None
+        _cross_entropy_forward_kernel[(n_rows,)](
+            logits, logits.stride(0), grad_logits if compute_grad else logits,
+            grad_logits.stride(0) if compute_grad else 0, labels, normaliser,
+            per_row_losses[0], per_row_losses[1], log_sum_exp,
+            vocab_size, ignore_index, label_smoothing, z_loss,
+            COMPUTE_GRAD=compute_grad, LABEL_SMOOTHING=label_smoothing > 0.0,
+            BLOCK_SIZE=block_size, NUM_BLOCKS=triton.cdiv(vocab_size, block_size),
+            num_warps=num_warps or default_warps,
+        )
+    # Two separate scalars: a custom op's outputs may not alias one another.
+    return per_row_losses[0].sum() / normaliser, per_row_losses[1].sum() / normaliser, log_sum_exp
+
+
+def cross_entropy_rescale_grad(
+    grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss
+):
+    """Rescale the stored unit-upstream gradient in place for upstream gradients ``grad_ce`` and ``grad_z``."""
+    n_rows, vocab_size = grad_logits.shape
+    if n_rows == 0:
+        return
+    block_size = min(8192, triton.next_power_of_2(vocab_size))
+    _cross_entropy_rescale_grad_kernel[(n_rows, triton.cdiv(vocab_size, block_size))](
+        grad_logits, grad_logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
+        vocab_size, ignore_index, label_smoothing, z_loss,
+        BLOCK_SIZE=block_size, num_warps=8 if block_size >= 4096 else 4,
+    )

@@ -1,0 +1,158 @@
+"""Triton kernels for RMSNorm with T5LayerNorm semantics; imported lazily by ``rms_norm.py``.
+
+Forward: each program normalises ``rows_per_program`` whole rows held in registers (T5's widths, 512 to 4096, are
+small, so one row alone leaves most of a program idle). Backward: each program walks a contiguous slab of rows,
+writes their input gradient, and accumulates its share of the weight gradient in fp32 registers; the per-program
+partial sums are then added by one reduction, so the weight gradient is deterministic.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # rms_norm.py falls back to the reference
+    raise ImportError("rms_norm_triton needs the `triton` package") from error
+
+import torch
+
+# One program keeps (rows x padded width) fp32 values in registers; wider rows would spill.
+MAX_WIDTH = 65536
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    input_ptr, input_row_stride, weight_ptr, output_ptr, output_row_stride, inverse_rms_ptr,
+    n_rows, n_cols, eps,
+    CAST_TO_WEIGHT_DTYPE: tl.constexpr, BLOCK_COLS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    x = tl.load(input_ptr + rows[:, None] * input_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    normalised = x * inverse_rms[:, None]
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+    if CAST_TO_WEIGHT_DTYPE:
+        # T5 rounds the normalised x to the (half) weight dtype before the multiply.
+        normalised = normalised.to(weight.dtype).to(tl.float32)
+    output = weight.to(tl.float32)[None, :] * normalised
+    tl.store(
+        output_ptr + rows[:, None] * output_row_stride + cols[None, :],
+        output.to(output_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(inverse_rms_ptr + rows, inverse_rms, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    grad_output_ptr, grad_output_row_stride, input_ptr, input_row_stride, weight_ptr, inverse_rms_ptr,
+    grad_input_ptr, grad_input_row_stride, partial_grad_weight_ptr,
+    n_rows, n_cols, rows_per_program,
+    CAST_TO_WEIGHT_DTYPE: tl.constexpr, BLOCK_COLS: tl.constexpr, ROWS_PER_STEP: tl.constexpr,
+):
+    program = tl.program_id(0)
+    first_row = program.to(tl.int64) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+    weight_fp32 = weight.to(tl.float32)
+    grad_weight = tl.zeros((ROWS_PER_STEP, BLOCK_COLS), dtype=tl.float32)
+
+    for row_start in range(first_row, last_row, ROWS_PER_STEP):
+        rows = row_start + tl.arange(0, ROWS_PER_STEP)
+        row_mask = rows < last_row
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(input_ptr + rows[:, None] * input_row_stride + cols[None, :], mask=mask, other=0.0)
+        grad_output = tl.load(
+            grad_output_ptr + rows[:, None] * grad_output_row_stride + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
+        inverse_rms = tl.load(inverse_rms_ptr + rows, mask=row_mask, other=0.0)
+
+        normalised = x.to(tl.float32) * inverse_rms[:, None]
+        if CAST_TO_WEIGHT_DTYPE:
+            grad_weight += grad_output * normalised.to(weight.dtype).to(tl.float32)
+        else:
+            grad_weight += grad_output * normalised
+        # y = x * r with r = rsqrt(mean(x^2) + eps): dx = r * (dy - y * mean(dy * y)), dy = grad_output * weight
+        grad_normalised = grad_output * weight_fp32[None, :]
+        projection = tl.sum(grad_normalised * normalised, axis=1) / n_cols
+        grad_input = inverse_rms[:, None] * (grad_normalised - normalised * projection[:, None])
+        tl.store(
+            grad_input_ptr + rows[:, None] * grad_input_row_stride + cols[None, :],
+            grad_input.to(grad_input_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+    tl.store(partial_grad_weight_ptr + program * n_cols + cols, tl.sum(grad_weight, axis=0), mask=col_mask)
+
+
+def _cast_to_weight_dtype(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.float16, torch.bfloat16)
+
+
+def forward_config(n_cols: int) -> tuple[int, int]:
+    """(rows per program, num_warps) for the forward at this width: about 8k elements per program."""
+    block_cols = triton.next_power_of_2(n_cols)
+    rows_per_program = max(1, min(16, 8192 // block_cols))
+    elements = rows_per_program * block_cols
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    return rows_per_program, num_warps
+
+
+def backward_config(n_cols: int) -> tuple[int, int]:
+    """(rows per step, num_warps) for the backward at this width."""
+    block_cols = triton.next_power_of_2(n_cols)
+    rows_per_step = max(1, min(8, 4096 // block_cols))
+    elements = rows_per_step * block_cols
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    return rows_per_step, num_warps
+
+
+def _program_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * 4
+    return 4  # the interpreter on CPU: a few programs still exercise the partial-sum reduction
+
+
+def rms_norm_forward(rows, weight, output, inverse_rms, eps, rows_per_program=None, num_warps=None):
+    """Launch the forward on 2-D ``rows`` (unit stride along the width) into ``output`` and ``inverse_rms``."""
+    n_rows, n_cols = rows.shape
+    if n_rows == 0:
+        return
+    default_rows, default_warps = forward_config(n_cols)
+    rows_per_program = rows_per_program or default_rows
+    _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        rows, rows.stride(0), weight, output, output.stride(0), inverse_rms,
+        n_rows, n_cols, eps,
+        CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
+        BLOCK_COLS=triton.next_power_of_2(n_cols),
+        ROWS_PER_PROGRAM=rows_per_program,
+        num_warps=num_warps or default_warps,
+    )
+
+
+def rms_norm_backward(grad_rows, rows, weight, inverse_rms, grad_input, rows_per_step=None, num_warps=None):
+    """Launch the backward; writes ``grad_input`` and returns the weight gradient (fp32 sums, weight's dtype)."""
+    n_rows, n_cols = rows.shape
+    default_rows, default_warps = backward_config(n_cols)
+    rows_per_step = rows_per_step or default_rows
+    programs = max(1, min(triton.cdiv(n_rows, rows_per_step), _program_budget(rows.device)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows_per_step) * rows_per_step
+    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    partial_grad_weight = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
+    if n_rows == 0:
+        return torch.zeros_like(weight)
+    _rms_norm_backward_kernel[(programs,)](
+        grad_rows, grad_rows.stride(0), rows, rows.stride(0), weight, inverse_rms,
+        grad_input, grad_input.stride(0), partial_grad_weight,
+        n_rows, n_cols, rows_per_program,
+        CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
+        BLOCK_COLS=triton.next_power_of_2(n_cols),
+        ROWS_PER_STEP=rows_per_step,
+        num_warps=num_warps or default_warps,
+    )
+    return partial_grad_weight.sum(dim=0).to(weight.dtype)
