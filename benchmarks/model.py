@@ -1,0 +1,280 @@
+"""Whole-model speed: FAT5 against transformers' T5ForConditionalGeneration, same shape, weights, process and GPU.
+
+Measures a training step (forward, backward, fused AdamW; bf16 weights), the encoder forward, greedy generation of
+128 tokens, and the longest encoder input that trains with batch 1. Decoder length is a quarter of the encoder's.
+
+    python benchmarks/model.py --shape base --out benchmarks/results/model_base.json
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, markdown_table, write_result  # noqa: E402
+
+SHAPES = {
+    "small": dict(d_model=512, d_ff=1024, num_layers=8, num_heads=6, d_kv=64),
+    "base": dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64),
+    "large": dict(d_model=1024, d_ff=2816, num_layers=24, num_heads=16, d_kv=64),
+}
+COMMON = dict(vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+              decoder_start_token_id=0)
+DEFAULT_BATCHES = {512: 64, 1024: 32, 2048: 16, 4096: 4, 8192: 1, 16384: 1}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def build_models(shape: str, implementations: list[str]):
+    """transformers' T5 and a FAT5 carrying the same weights (the names are T5's on both sides)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    hf = T5ForConditionalGeneration(T5Config(**SHAPES[shape], **COMMON))
+    hf.lm_head.weight = torch.nn.Parameter(hf.shared.weight.detach().clone())
+    models = {}
+    if "fat5" in implementations:
+        fat5 = FAT5ForConditionalGeneration(
+            FAT5Config(**SHAPES[shape], **COMMON, scale_decoder_outputs=False, attention_backend="auto")
+        )
+        fat5.load_state_dict(hf.state_dict(), strict=False)
+        models["fat5"] = fat5
+    if "transformers" in implementations:
+        models["transformers"] = hf
+    return {name: model.to("cuda", torch.bfloat16) for name, model in models.items()}
+
+
+def parameter_counts(model) -> tuple[int, int, int]:
+    """Parameters touched per encoder token, per decoder token (without lm_head), and lm_head's."""
+    encoder = sum(p.numel() for n, p in model.named_parameters() if n.startswith("encoder.") and "embed" not in n)
+    decoder = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.") and "embed" not in n)
+    return encoder, decoder, model.lm_head.weight.numel()
+
+
+def step_flops(model, config, batch: int, encoder_length: int, decoder_length: int) -> float:
+    """6 x parameters touched per token, plus attention (forward 4*B*H*Lq*Lk*D, causal halved; backward 2.5x)."""
+    encoder, decoder, head = parameter_counts(model)
+    dense = 6 * (encoder * batch * encoder_length + (decoder + head) * batch * decoder_length)
+    per_layer = 4 * batch * config.num_heads * config.d_kv
+    attention_forward = config.num_layers * per_layer * encoder_length**2 + config.num_decoder_layers * per_layer * (
+        decoder_length**2 / 2 + decoder_length * encoder_length
+    )
+    return dense + 3.5 * attention_forward
+
+
+def time_ms(function, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall time of ``function`` in ms, with CUDA events after warm-up."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def random_batch(batch, encoder_length, decoder_length, vocab_size, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    input_ids = torch.randint(2, vocab_size, (batch, encoder_length), device="cuda", generator=generator)
+    labels = torch.randint(2, vocab_size, (batch, decoder_length), device="cuda", generator=generator)
+    return input_ids, labels
+
+
+def release():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def train_step_factory(model, input_ids, labels):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, optimizer
+
+
+def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=False):
+    rows = []
+    config = model.config
+    for length in lengths:
+        batch = batches.get(length, 1)
+        decoder_length = max(length // 4, 1)
+        release()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        row = dict(implementation=name, encoder_length=length, batch=batch, checkpointing=checkpointing)
+        try:
+            input_ids, labels = random_batch(batch, length, decoder_length, config.vocab_size)
+            step, optimizer = train_step_factory(model.train(), input_ids, labels)
+            milliseconds = time_ms(step, warmup=2, repeats=5)
+            tokens = batch * (length + decoder_length)
+            flops = step_flops(model, config, batch, length, decoder_length)
+            row.update(
+                step_ms=round(milliseconds, 2),
+                tokens_per_second=round(tokens / milliseconds * 1e3),
+                mfu=round(flops / (milliseconds * 1e-3) / (peak_tflops * 1e12), 4) if peak_tflops else None,
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            )
+            del step, optimizer
+        except torch.cuda.OutOfMemoryError:
+            row.update(step_ms=None, tokens_per_second=None, mfu=None, peak_gib="OOM")
+        finally:
+            model.zero_grad(set_to_none=True)
+            if checkpointing:
+                model.gradient_checkpointing_disable()
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
+    """Double the batch-1 encoder length until a training step runs out of memory."""
+    longest, length = None, start
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    while length <= stop:
+        release()
+        try:
+            input_ids, labels = random_batch(1, length, length // 4, model.config.vocab_size)
+            step, optimizer = train_step_factory(model.train(), input_ids, labels)
+            step()
+            torch.cuda.synchronize()
+            longest = dict(implementation=name, encoder_length=length, checkpointing=checkpointing,
+                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            del step, optimizer
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            model.zero_grad(set_to_none=True)
+        print(longest, flush=True)
+        length *= 2
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+    return longest
+
+
+@torch.no_grad()
+def measure_generation(models, batches=(1, 32), input_length=512, new_tokens=128):
+    rows, outputs = [], {}
+    for batch in batches:
+        input_ids, _ = random_batch(batch, input_length, 1, 32128, seed=batch)
+        for name, model in models.items():
+            release()
+            model.eval()
+
+            def generate():
+                return model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, num_beams=1)
+
+            outputs[name] = generate()
+            milliseconds = time_ms(generate, warmup=1, repeats=3)
+            rows.append(dict(implementation=name, batch=batch, input_length=input_length, new_tokens=new_tokens,
+                             ms=round(milliseconds, 1), tokens_per_second=round(batch * new_tokens / milliseconds * 1e3)))
+            print(rows[-1], flush=True)
+        if len(outputs) == 2:
+            same = (outputs["fat5"] == outputs["transformers"]).float().mean().item()
+            rows.append(dict(batch=batch, identical_token_fraction_bf16=round(same, 4)))
+    return rows
+
+
+@torch.no_grad()
+def measure_encoder(models, lengths, batches):
+    rows = []
+    for length in lengths:
+        batch = batches.get(length, 1)
+        input_ids, _ = random_batch(batch, length, 1, 32128)
+        for name, model in models.items():
+            release()
+            encoder = model.eval().get_encoder()
+            try:
+                milliseconds = time_ms(lambda: encoder(input_ids=input_ids), warmup=2, repeats=5)
+                rows.append(dict(implementation=name, encoder_length=length, batch=batch, ms=round(milliseconds, 2),
+                                 tokens_per_second=round(batch * length / milliseconds * 1e3),
+                                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)))
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(implementation=name, encoder_length=length, batch=batch, ms="OOM"))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def check_agreement(models, vocab_size):
+    """Loss of FAT5 and transformers on one batch, bf16: they must agree before any timing counts."""
+    input_ids, labels = random_batch(2, 256, 64, vocab_size, seed=123)
+    with torch.no_grad():
+        losses = {name: model.eval()(input_ids=input_ids, labels=labels).loss.float().item() for name, model in models.items()}
+    if len(losses) == 2:
+        relative = abs(losses["fat5"] - losses["transformers"]) / abs(losses["transformers"])
+        if relative > 1e-2:
+            raise SystemExit(f"FAT5 and transformers disagree: losses {losses}")
+    return losses
+
+
+def plot(document, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("fat5", "transformers"):
+        rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
+        left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=name)
+        right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=name)
+    for axis, label in ((left, "training tokens/s"), (right, "peak GiB")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("encoder length (decoder = length / 4)")
+        axis.set_ylabel(label)
+        axis.legend()
+    figure.suptitle(f"T5 v1.1-{document['shape']} shape, bf16, {document['environment'].get('gpu')}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=SHAPES, default="base")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--implementations", nargs="+", default=["fat5", "transformers"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["training", "encoder", "generation", "longest"])
+    parser.add_argument("--out", default="benchmarks/results/model.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/model.py needs a CUDA GPU")
+
+    gpu = torch.cuda.get_device_name(0)
+    peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in gpu), None)
+    models = build_models(args.shape, args.implementations)
+    results = {"agreement_losses": check_agreement(models, COMMON["vocab_size"])}
+    if "training" not in args.skip:
+        results["training"] = [row for name, model in models.items()
+                               for row in measure_training(name, model, args.lengths, DEFAULT_BATCHES, peak)]
+    if "encoder" not in args.skip:
+        results["encoder"] = measure_encoder(models, args.lengths, DEFAULT_BATCHES)
+    if "generation" not in args.skip:
+        results["generation"] = measure_generation(models)
+    if "longest" not in args.skip:
+        results["longest_batch1"] = [longest_trainable(name, model) for name, model in models.items()]
+    document = write_result(args.out, results, shape=args.shape, peak_bf16_tflops=peak)
+    if "training" in results:
+        plot(document, args.out.replace(".json", ".png"))
+        print(markdown_table(results["training"], ["implementation", "encoder_length", "batch", "step_ms",
+                                                   "tokens_per_second", "mfu", "peak_gib"]))
+    print(environment()["gpu"], "->", args.out)
+
+
+if __name__ == "__main__":
+    main()
