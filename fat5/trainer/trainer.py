@@ -1,0 +1,79 @@
+"""FAT5Trainer: transformers' Seq2SeqTrainer, logging what FAT5 users watch.
+
+The model computes the fused cross-entropy + z-loss itself (exact under gradient accumulation through
+``num_items_in_batch``); the trainer adds the two parts of the loss, the tokens per second and the share of padding
+to every training log, and routes transformers' ``label_smoothing_factor`` into the fused loss.
+"""
+
+import time
+
+import torch
+from transformers import Seq2SeqTrainer
+
+
+def count_tokens(inputs: dict) -> tuple[torch.Tensor, int]:
+    """Real tokens (encoder inputs plus labelled decoder positions) and slots of one batch, padded or packed."""
+    input_ids = inputs["input_ids"]
+    if "segment_ids" in inputs:
+        encoder_tokens = (inputs["segment_ids"] > 0).sum()
+    elif inputs.get("attention_mask") is not None:
+        encoder_tokens = inputs["attention_mask"].sum()
+    else:
+        encoder_tokens = torch.tensor(input_ids.numel(), device=input_ids.device)
+    slots = input_ids.numel()
+    labels = inputs.get("labels")
+    if labels is not None:
+        encoder_tokens = encoder_tokens + (labels != -100).sum()
+        slots += labels.numel()
+    return encoder_tokens, slots
+
+
+class FAT5Trainer(Seq2SeqTrainer):
+    """A ``Seq2SeqTrainer`` for FAT5 models; every argument is the parent's.
+
+    Training logs gain ``ce_loss`` and ``z_loss`` (their means since the last log), ``tokens_per_second`` (real
+    tokens, encoder and labelled decoder positions, per second of wall time since the last log, all processes) and
+    ``padding_fraction`` (the share of batch slots that held padding).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.label_smoothing_factor > 0:
+            # the fused loss smooths labels itself; transformers' smoother would take the labels away from the model
+            self.accelerator.unwrap_model(self.model).config.label_smoothing = self.args.label_smoothing_factor
+            self.label_smoother = None
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window_loss_parts = None
+        self._window_steps = 0
+        self._window_tokens = None
+        self._window_slots = 0
+        self._window_start = time.perf_counter()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            # kept on the device: adding them up here costs no synchronisation, the log reads them once
+            tokens, slots = count_tokens(inputs)
+            self._window_tokens = tokens if self._window_tokens is None else self._window_tokens + tokens
+            self._window_slots += slots
+            parts = getattr(outputs, "ce_loss", None), getattr(outputs, "z_loss", None)
+            if parts[0] is not None:
+                parts = torch.stack([parts[0].detach().float(), parts[1].detach().float()])
+                self._window_loss_parts = parts if self._window_loss_parts is None else self._window_loss_parts + parts
+                self._window_steps += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self._window_tokens is not None:
+            if self._window_loss_parts is not None:
+                ce_loss, z_loss = (self._window_loss_parts / self._window_steps).tolist()
+                logs["ce_loss"], logs["z_loss"] = round(ce_loss, 6), round(z_loss, 8)
+            tokens = self.accelerator.reduce(self._window_tokens.detach().clone(), reduction="sum").item()
+            slots = self._window_slots * self.accelerator.num_processes
+            elapsed = time.perf_counter() - self._window_start
+            logs["tokens_per_second"] = round(tokens / elapsed, 1)
+            logs["padding_fraction"] = round(1.0 - tokens / slots, 4)
+            self._reset_window()
+        super().log(logs, *args, **kwargs)
