@@ -19,6 +19,7 @@ except ImportError as error:  # cross_entropy.py falls back to the reference
 
 import torch
 
+
 @triton.jit
 def _cross_entropy_forward_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, normaliser_ptr,
@@ -42,26 +43,28 @@ def _cross_entropy_forward_kernel(
                 cols = block * BLOCK_SIZE + offsets
                 tl.store(grad_row + cols, zeros, mask=cols < vocab_size)
     else:
-        # Online logsumexp in base 2: running max m and sum of 2^(x*log2e - m), in fp32.
+        # Online logsumexp in fp32: running max m and running sum of exp(x - m), exp taken as exp2. The max is
+        # subtracted before scaling by log2(e) so that logits near the fp32 maximum do not overflow.
         running_max = -float("inf")
         running_sum = 0.0
         logit_sum = 0.0
         for block in range(NUM_BLOCKS):
             cols = block * BLOCK_SIZE + offsets
             x = tl.load(logits_row + cols, mask=cols < vocab_size, other=-float("inf")).to(tl.float32)
-            x = x * 1.4426950408889634
             block_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp2(running_max - block_max) + tl.sum(tl.exp2(x - block_max), axis=0)
+            running_sum = running_sum * tl.exp2((running_max - block_max) * 1.4426950408889634) + tl.sum(
+                tl.exp2((x - block_max) * 1.4426950408889634), axis=0
+            )
             running_max = block_max
             if LABEL_SMOOTHING:
                 logit_sum += tl.sum(tl.where(cols < vocab_size, x, 0.0), axis=0)
-        log_sum_exp = (running_max + tl.log2(running_sum)) * 0.6931471805599453
+        log_sum_exp = running_max + tl.log(running_sum)
 
         label_in_range = (label >= 0) & (label < vocab_size)
         label_logit = tl.load(logits_row + label, mask=label_in_range, other=0.0).to(tl.float32)
         ce = log_sum_exp - label_logit
         if LABEL_SMOOTHING:
-            mean_logit = logit_sum * 0.6931471805599453 / vocab_size
+            mean_logit = logit_sum / vocab_size
             ce = (1.0 - label_smoothing) * ce + label_smoothing * (log_sum_exp - mean_logit)
         tl.store(ce_ptr + row, ce)
         tl.store(z_ptr + row, z_loss * log_sum_exp * log_sum_exp)
@@ -72,12 +75,11 @@ def _cross_entropy_forward_kernel(
             probability_scale = (1.0 + 2.0 * z_loss * log_sum_exp) * inverse_normaliser
             smoothing_term = label_smoothing / vocab_size * inverse_normaliser
             label_term = (1.0 - label_smoothing) * inverse_normaliser
-            log2_sum_exp = log_sum_exp * 1.4426950408889634
             for reverse_block in range(NUM_BLOCKS):
                 cols = (NUM_BLOCKS - 1 - reverse_block) * BLOCK_SIZE + offsets
                 col_mask = cols < vocab_size
                 x = tl.load(logits_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                grad = tl.exp2(x * 1.4426950408889634 - log2_sum_exp) * probability_scale - smoothing_term
+                grad = tl.exp2((x - log_sum_exp) * 1.4426950408889634) * probability_scale - smoothing_term
                 grad = tl.where(cols == label, grad - label_term, grad)
                 tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
 

@@ -138,14 +138,14 @@ def rms_norm_forward(rows, weight, output, inverse_rms, eps, rows_per_program=No
 def rms_norm_backward(grad_rows, rows, weight, inverse_rms, grad_input, rows_per_step=None, num_warps=None):
     """Launch the backward; writes ``grad_input`` and returns the weight gradient (fp32 sums, weight's dtype)."""
     n_rows, n_cols = rows.shape
+    if n_rows == 0:
+        return torch.zeros_like(weight)
     default_rows, default_warps = backward_config(n_cols)
     rows_per_step = rows_per_step or default_rows
     programs = max(1, min(triton.cdiv(n_rows, rows_per_step), _program_budget(rows.device)))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows_per_step) * rows_per_step
     programs = max(1, triton.cdiv(n_rows, rows_per_program))
     partial_grad_weight = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
-    if n_rows == 0:
-        return torch.zeros_like(weight)
     _rms_norm_backward_kernel[(programs,)](
         grad_rows, grad_rows.stride(0), rows, rows.stride(0), weight, inverse_rms,
         grad_input, grad_input.stride(0), partial_grad_weight,
