@@ -1,0 +1,409 @@
+"""T5-family checkpoints -> FAT5 -> transformers, against transformers' own classes (fp32, CPU, padded batches).
+
+Every source checkpoint is a tiny randomly initialised model made and saved by transformers' own classes; the
+"Hub-like" ones are then edited the way the Hub's FLAN-T5 / mT5 / UMT5 / original T5 files look (untied lm_head
+with "tie_word_embeddings": false, or the legacy layout with every alias of the embedding stored).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
+from fat5.conversion import ConversionError, add_convert_commands, convert, export_hf
+from fat5.errors import FAT5Error
+
+TINY = {
+    "vocab_size": 96,
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 48,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "dropout_rate": 0.0,
+    "decoder_start_token_id": 0,
+}
+PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
+
+# name -> (model_type, extra config, how the saved folder is edited, expected tie, expected scale)
+FAMILIES = {
+    "t5": ("t5", {"feed_forward_proj": "relu"}, None, True, True),
+    "t5-legacy": ("t5", {"feed_forward_proj": "relu"}, "legacy", True, True),
+    "flan-t5": ("t5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
+    "mt5": ("mt5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
+    "umt5": ("umt5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
+    "umt5-tied": ("umt5", {"feed_forward_proj": "gated-gelu"}, None, True, True),
+}
+
+
+def _transformers_class(model_type, suffix):
+    return getattr(transformers, PREFIX[model_type] + suffix)
+
+
+def _edit_like_the_hub(folder: Path, how: str, seed: int) -> None:
+    """Rewrite a transformers-5-saved folder the way older Hub checkpoints are stored."""
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("scale_decoder_outputs", None)
+    if how == "untie":  # FLAN-T5 / mT5 / UMT5: a separate lm_head, "tie_word_embeddings": false
+        generator = torch.Generator().manual_seed(seed)
+        tensors["lm_head.weight"] = torch.randn(tensors["shared.weight"].shape, generator=generator)
+        config["tie_word_embeddings"] = False
+    elif how == "legacy":  # original T5: no tie key (default tied), every alias stored, the unused cross-attention bias
+        config.pop("tie_word_embeddings", None)
+        for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+            tensors[alias] = tensors["shared.weight"].clone()
+        bias = tensors["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+        tensors["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = torch.randn_like(bias)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def make_checkpoint(folder: Path, family: str, seed: int = 0, suffix: str = "ForConditionalGeneration") -> Path:
+    model_type, extra, how, _, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, PREFIX[model_type] + "Config")(**TINY, **extra)
+    _transformers_class(model_type, suffix)(config).save_pretrained(folder)
+    if how:
+        _edit_like_the_hub(folder, how, seed)
+    return folder
+
+
+def padded_batch(vocab_size, seed=1):
+    """Right-padded rows of different lengths (independent of the batch the conversion checks itself with)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, vocab_size, (4, 11), generator=generator)
+    attention_mask = (torch.arange(11)[None] < torch.tensor([11, 6, 3, 9])[:, None]).long()
+    decoder_input_ids = torch.randint(2, vocab_size, (4, 6), generator=generator)
+    decoder_input_ids[:, 0] = 0
+    decoder_attention_mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 5])[:, None]).long()
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "decoder_input_ids": decoder_input_ids * decoder_attention_mask,
+        "decoder_attention_mask": decoder_attention_mask,
+    }
+
+
+def masked_relative_error(actual, expected, mask):
+    keep = mask.bool()
+    actual, expected = actual[keep].double(), expected[keep].double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def reference_model(folder: Path, model_type: str, suffix: str, scale: bool):
+    """transformers' own class on the source; for UMT5 with the decoder-output scaling the raw config asks for
+    (transformers 5 forces it on for every UMT5 checkpoint, see fat5/conversion/convert.py)."""
+    model = _transformers_class(model_type, suffix).from_pretrained(folder, dtype=torch.float32).eval()
+    if model_type == "umt5":
+        model.config.tie_word_embeddings = scale
+    return model
+
+
+def leftovers(out: Path) -> list[str]:
+    """Anything the conversion may have left: `out` itself or a temporary folder beside it."""
+    return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> (source folder, converted folder, ConversionResult), converted once per module."""
+    root = tmp_path_factory.mktemp("conversion")
+    results = {}
+    for index, family in enumerate(FAMILIES):
+        source = make_checkpoint(root / f"{family}-src", family, seed=index)
+        results[family] = (source, root / f"{family}-fat5", convert(source, root / f"{family}-fat5"))
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_convert_matches_transformers(converted, family):
+    model_type, _, _, tie, scale = FAMILIES[family]
+    source, out, result = converted[family]
+    assert result.verification["logits_relative_error"] <= 1e-5
+    assert (result.tie_word_embeddings, result.scale_decoder_outputs) == (tie, scale)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "fat5" and "auto_map" not in raw
+    assert (raw["tie_word_embeddings"], raw["scale_decoder_outputs"]) == (tie, scale)
+    assert raw["position_bias_per_layer"] == (model_type == "umt5")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not list(out.glob("*.bin"))
+
+    batch = padded_batch(TINY["vocab_size"])
+    reference = reference_model(source, model_type, "ForConditionalGeneration", scale)
+    fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected, actual = reference(**batch), fat5_model(**batch)
+    assert masked_relative_error(actual.logits, expected.logits, batch["decoder_attention_mask"]) <= 1e-5
+    assert (
+        masked_relative_error(
+            actual.encoder_last_hidden_state, expected.encoder_last_hidden_state, batch["attention_mask"]
+        )
+        <= 1e-5
+    )
+
+    encoder_inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    reference_encoder = _transformers_class(model_type, "EncoderModel").from_pretrained(source, dtype=torch.float32)
+    fat5_encoder = FAT5EncoderModel.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        expected_states = reference_encoder.eval()(**encoder_inputs).last_hidden_state
+        actual_states = fat5_encoder.eval()(**encoder_inputs).last_hidden_state
+    assert masked_relative_error(actual_states, expected_states, batch["attention_mask"]) <= 1e-5
+
+
+def test_untied_umt5_is_not_scaled(converted):
+    """The Hub's UMT5 (untied, tie_word_embeddings false) projects the decoder output unscaled, as the original:
+    checked against lm_head applied by hand to transformers' own final decoder states."""
+    source, out, result = converted["umt5"]
+    assert any("UMT5" in note for note in result.notes)
+    batch = padded_batch(TINY["vocab_size"])
+    reference = transformers.UMT5ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = reference(**batch, output_hidden_states=True).decoder_hidden_states[-1]
+        expected = states @ load_file(source / "model.safetensors")["lm_head.weight"].T
+        actual = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()(**batch).logits
+    assert masked_relative_error(actual, expected, batch["decoder_attention_mask"]) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["t5", "flan-t5", "umt5"])
+def test_generation_matches_transformers(converted, family):
+    model_type, _, _, _, scale = FAMILIES[family]
+    source, out, _ = converted[family]
+    batch = padded_batch(TINY["vocab_size"], seed=3)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "max_new_tokens": 6}
+    reference = reference_model(source, model_type, "ForConditionalGeneration", scale)
+    fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 3}):
+        expected = reference.generate(**inputs, **options)
+        actual = fat5_model.generate(**inputs, **options)
+        assert torch.equal(actual, expected), options
+
+
+@pytest.mark.parametrize("family", ["t5", "umt5-tied"])
+def test_encoder_only_checkpoint(tmp_path, family):
+    model_type = FAMILIES[family][0]
+    source = make_checkpoint(tmp_path / "src", family, suffix="EncoderModel")
+    result = convert(source, tmp_path / "out")
+    assert result.target_architecture == "FAT5EncoderModel"
+    assert result.verification["encoder_relative_error"] <= 1e-5
+    batch = padded_batch(TINY["vocab_size"])
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        reference = _transformers_class(model_type, "EncoderModel").from_pretrained(source).eval()
+        expected = reference(**inputs).last_hidden_state
+        actual = FAT5EncoderModel.from_pretrained(tmp_path / "out").eval()(**inputs).last_hidden_state
+    assert masked_relative_error(actual, expected, batch["attention_mask"]) <= 1e-5
+
+
+def test_save_load_round_trip(converted, tmp_path):
+    _, out, _ = converted["flan-t5"]
+    batch = padded_batch(TINY["vocab_size"])
+    model = FAT5ForConditionalGeneration.from_pretrained(out).eval()
+    model.save_pretrained(tmp_path / "again")
+    again = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, again(**batch).logits)
+    assert again.config.tie_word_embeddings is False
+    assert again.lm_head.weight.data_ptr() != again.shared.weight.data_ptr()
+
+
+@pytest.mark.parametrize("family", ["t5", "flan-t5", "mt5", "umt5-tied", "umt5"])
+def test_export_hf_round_trip(converted, tmp_path, family):
+    model_type, _, _, tie, scale = FAMILIES[family]
+    source, out, _ = converted[family]
+    result = export_hf(out, tmp_path / "back")
+    assert result.target_architecture == PREFIX[model_type] + "ForConditionalGeneration"
+    raw = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert raw["model_type"] == model_type and raw["tie_word_embeddings"] == tie
+    # every tensor transformers' class uses comes back bit for bit
+    original, exported = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, original[name]), name
+    assert ("lm_head.weight" in exported) == (not tie)
+    batch = padded_batch(TINY["vocab_size"])
+    back = reference_model(tmp_path / "back", model_type, "ForConditionalGeneration", scale)
+    fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (
+            masked_relative_error(back(**batch).logits, fat5_model(**batch).logits, batch["decoder_attention_mask"])
+            <= 1e-5
+        )
+
+
+def test_export_hf_needs_t5_position_encoding(tmp_path):
+    config = FAT5Config(**{k: v for k, v in TINY.items() if "relative" not in k}, position_encoding="rope")
+    FAT5ForConditionalGeneration(config).save_pretrained(tmp_path / "rope")
+    with pytest.raises(ConversionError, match="position_encoding='rope'"):
+        export_hf(tmp_path / "rope", tmp_path / "out")
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_sharded_and_pytorch_bin_sources(tmp_path):
+    source = make_checkpoint(tmp_path / "src", "t5")
+    model = transformers.T5ForConditionalGeneration.from_pretrained(source)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    result = convert(tmp_path / "sharded", tmp_path / "out-sharded", max_shard_size="20KB")
+    assert (tmp_path / "out-sharded" / "model.safetensors.index.json").is_file()
+    assert result.verification["logits_relative_error"] <= 1e-5
+
+    bin_source = tmp_path / "bin"
+    bin_source.mkdir()
+    (bin_source / "config.json").write_text((source / "config.json").read_text())
+    torch.save(load_file(source / "model.safetensors"), bin_source / "pytorch_model.bin")
+    result = convert(bin_source, tmp_path / "out-bin")
+    assert result.verification["logits_relative_error"] <= 1e-5
+    assert (tmp_path / "out-bin" / "model.safetensors").is_file()
+
+
+def test_bfloat16_output(converted, tmp_path):
+    source, _, _ = converted["flan-t5"]
+    result = convert(source, tmp_path / "bf16", dtype="bfloat16")
+    assert result.dtype == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert result.verification["logits_relative_error"] <= 1e-5
+
+
+def test_tokenizer_and_generation_config_travel(tmp_path):
+    source = make_checkpoint(tmp_path / "src", "t5")
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    (source / "spiece.model").write_bytes(b"not really sentencepiece")
+    generation = json.loads((source / "generation_config.json").read_text())
+    generation.pop("decoder_start_token_id", None)  # as transformers 5 writes it for T5
+    generation["max_length"] = 77
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    convert(source, tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "spiece.model").read_bytes() == b"not really sentencepiece"
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 512}
+    written = json.loads((out / "generation_config.json").read_text())
+    assert written["max_length"] == 77 and written["decoder_start_token_id"] == 0
+
+
+# --------------------------------------------------------------------------------------------- broken inputs
+
+
+def _corrupt(folder: Path, how: str) -> None:
+    path = folder / "model.safetensors"
+    if how == "garbage":
+        path.write_bytes(b"\x93NUMPY garbage " * 64)
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        tensors = load_file(path)
+        config = json.loads((folder / "config.json").read_text())
+        if how == "wrong-shape":
+            tensors["encoder.block.1.layer.1.DenseReluDense.wo.weight"] = torch.zeros(32, 40)
+        elif how == "missing":
+            del tensors["decoder.block.1.layer.0.SelfAttention.k.weight"]
+        elif how == "unexpected":
+            tensors["encoder.block.2.layer.0.SelfAttention.q.weight"] = torch.zeros(32, 32)
+        elif how == "wrong-config":
+            config["num_heads"] = 2
+            config["d_kv"] = 8  # q is (heads * d_kv, d_model) = (16, 32) in the config's eyes, (32, 32) on disk
+        elif how == "tied-but-different":
+            config.pop("tie_word_embeddings", None)
+            tensors["encoder.embed_tokens.weight"] = tensors["shared.weight"] + 1
+        save_file(tensors, path, metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("garbage", "not a readable safetensors file"),
+        ("truncated", "not a readable safetensors file"),
+        ("wrong-shape", r"wrong shape \(1\): encoder\.block\.1\.layer\.1\.DenseReluDense\.wo\.weight"),
+        ("missing", r"missing from the checkpoint \(1\): decoder\.block\.1\.layer\.0\.SelfAttention\.k\.weight"),
+        ("unexpected", r"unexpected in the checkpoint \(1\): encoder\.block\.2\.layer\.0\.SelfAttention\.q\.weight"),
+        ("wrong-config", r"wrong shape \(\d+\): .*SelfAttention\.q\.weight: checkpoint \(32, 32\), model \(16, 32\)"),
+        ("tied-but-different", "tied in the model but different in the checkpoint"),
+    ],
+)
+def test_broken_checkpoints_fail_clearly_and_leave_nothing(tmp_path, how, message):
+    source = make_checkpoint(tmp_path / "src", "t5")
+    _corrupt(source, how)
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=message):
+        convert(source, out)
+    assert leftovers(out) == []
+
+
+def test_unsupported_or_invalid_configs(tmp_path):
+    source = make_checkpoint(tmp_path / "src", "t5")
+    config = json.loads((source / "config.json").read_text())
+    for raw, message in (
+        ({**config, "model_type": "bart"}, "model_type 'bart' is not supported"),
+        ({**config, "feed_forward_proj": "gated-nonsense"}, "feed_forward_proj"),
+        ({**config, "architectures": ["T5ForSequenceClassification"]}, "cannot convert a T5ForSequenceClassification"),
+    ):
+        (source / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ConversionError, match=message):
+            convert(source, tmp_path / "out")
+        assert leftovers(tmp_path / "out") == []
+    (source / "config.json").write_text("{not json")
+    with pytest.raises(ConversionError, match="not valid JSON"):
+        convert(source, tmp_path / "out")
+    (source / "config.json").unlink()
+    with pytest.raises(ConversionError, match="no config.json"):
+        convert(source, tmp_path / "out")
+
+
+def test_failed_verification_writes_nothing(converted, tmp_path):
+    """Nothing is written unless the logits agree: an impossible tolerance makes the check fail."""
+    source, _, _ = converted["t5"]
+    with pytest.raises(ConversionError, match="verification failed.*nothing was written"):
+        convert(source, tmp_path / "out", tolerance=1e-300)
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_existing_output_is_kept_unless_overwrite(converted, tmp_path):
+    source, _, _ = converted["t5"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(FAT5Error, match="already exists"):
+        convert(source, out)
+    assert (out / "precious.txt").read_text() == "keep me"
+    convert(source, out, overwrite=True)
+    assert not (out / "precious.txt").exists() and (out / "model.safetensors").is_file()
+    assert leftovers(out) == ["out"]
+
+
+def test_unreachable_hub_and_bad_paths(tmp_path, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(ConversionError, match="could not download google/flan-t5-small from the Hub"):
+        convert("google/flan-t5-small", tmp_path / "out")
+    with pytest.raises(ConversionError, match="no such folder"):
+        convert(str(tmp_path / "does" / "not" / "exist"), tmp_path / "out")
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_command_line_handlers(converted, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="fat5")
+    add_convert_commands(parser.add_subparsers(dest="command", required=True))
+    source, out, _ = converted["flan-t5"]
+    args = parser.parse_args(["convert", str(source), str(tmp_path / "cli"), "--dtype", "float32"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "verified against transformers.T5ForConditionalGeneration" in printed and str(tmp_path / "cli") in printed
+    args = parser.parse_args(["export-hf", str(out), str(tmp_path / "cli-back"), "--no-verify"])
+    assert args.func(args) == 0
+    assert (tmp_path / "cli-back" / "model.safetensors").is_file()
+    args = parser.parse_args(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")])
+    with pytest.raises(FAT5Error, match="no such folder"):
+        args.func(args)
