@@ -70,10 +70,14 @@ def test_triton_matches_fp64_truth(rows, vocab_size, label_smoothing, z_loss, re
     assert abs(ce.item() - expected_ce.item()) <= 1e-4 * abs(expected_ce.item()) + 1e-6
     assert abs(z.item() - expected_z.item()) <= 1e-4 * abs(expected_z.item()) + 1e-9
     expected_grad = _truth_grad(logits, labels, **options)
-    if expected_grad.norm() > 0:
-        assert _relative_error(grad, expected_grad) < 1e-4
-    else:
+    counted = int((labels != -100).sum())
+    if counted == 0:
         assert torch.equal(grad, torch.zeros_like(grad))
+        return
+    # Each counted row's gradient is made of terms of size 1/normaliser that cancel when one class dominates (a
+    # vocabulary of 1): measure the error against that size as well as against the gradient's own norm.
+    term_size = counted**0.5 / (counted if reduction == "mean" else 1)
+    assert (grad.double() - expected_grad).norm() < 1e-4 * max(expected_grad.norm().item(), term_size)
 
 
 def test_matches_torch_cross_entropy_with_label_smoothing():

@@ -1,0 +1,247 @@
+"""RMSNorm (T5LayerNorm semantics), forward and forward+backward: FAT5's Triton kernels against torch eager and Liger.
+
+32768 tokens, bf16 activations and weight, in one process on one GPU. Each variant is first checked against the
+fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before every repetition). The
+bandwidth floor is the bytes that must move (forward: read x, write y; forward+backward: that plus read x and dy,
+write dx) over the measured device-to-device copy rate. ``--sweep`` also times both kernels over their launch
+configs.
+
+    python benchmarks/rms_norm.py --sweep --out benchmarks/results/rms_norm.json
+    python benchmarks/rms_norm.py --plot-only benchmarks/results/rms_norm.json
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import markdown_table, write_result
+
+DEVICE = "cuda"
+TOKENS = 32768
+WIDTHS = [512, 768, 1024, 4096]
+EPS = 1e-6
+TARGET_FORWARD_OVER_FLOOR = 1.3
+TARGET_SPEEDUP_VS_LIGER = 1.5
+FORWARD_SWEEP = [(rows, warps) for rows in (1, 2, 4, 8, 16, 32) for warps in (4, 8, 16)]
+BACKWARD_SWEEP = [(rows, warps) for rows in (1, 2, 4, 8, 16) for warps in (4, 8, 16)]
+
+
+def variants():
+    from fat5.kernels.rms_norm import rms_norm, rms_norm_reference
+
+    table = {
+        "torch eager": lambda x, w: rms_norm_reference(x, w, EPS),
+        "fat5": lambda x, w: rms_norm(x, w, EPS),
+    }
+    try:
+        from liger_kernel.transformers.functional import liger_rms_norm
+
+        # "llama" casting is T5's: x * rstd in fp32, cast to the (bf16) dtype, then times the weight.
+        table["liger"] = lambda x, w: liger_rms_norm(x, w, EPS, casting_mode="llama")
+    except ImportError as error:
+        print(f"liger-kernel unavailable ({error}); measuring without it")
+    return table
+
+
+def copy_bandwidth_gbs() -> float:
+    import triton.testing
+
+    source = torch.randn(2**28, device=DEVICE, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
+    return 2 * source.numel() * 2 / ms / 1e6
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def check(fn, x, w, grad_output, reference) -> dict:
+    leaf_x, leaf_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    output = fn(leaf_x, leaf_w)
+    output.backward(grad_output.clone())  # Liger writes dx into the upstream gradient's buffer
+    expected_output, expected_dx, expected_dw = reference
+    return {
+        "output_rel_error": relative_error(output, expected_output),
+        "grad_input_rel_error": relative_error(leaf_x.grad, expected_dx),
+        "grad_weight_rel_error": relative_error(leaf_w.grad, expected_dw),
+    }
+
+
+def timings(fn, x, w, grad_output) -> dict:
+    import triton.testing
+
+    leaf_x, leaf_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def forward():
+        with torch.no_grad():
+            fn(x, w)
+
+    def forward_backward():
+        fn(leaf_x, leaf_w).backward(grad_output)
+
+    result = {
+        "forward_ms": triton.testing.do_bench(forward, return_mode="median"),
+        "forward_backward_ms": triton.testing.do_bench(
+            forward_backward, grad_to_none=[leaf_x, leaf_w], return_mode="median"
+        ),
+    }
+    try:  # the same without launch overhead (CUDA graph replay; no L2 flush, so a lower bound)
+        result["forward_backward_cudagraph_ms"] = triton.testing.do_bench_cudagraph(
+            forward_backward, grad_to_none=[leaf_x, leaf_w], return_mode="median"
+        )
+    except Exception as error:  # noqa: BLE001 - graph capture of a backward may fail; the eager figure stands
+        result["cudagraph_error"] = str(error)[:200]
+    return result
+
+
+def sweep(x, w, grad_output) -> dict:
+    import triton.testing
+
+    from fat5.kernels import rms_norm_triton
+
+    n_rows, width = x.shape
+    block = triton.next_power_of_2(width)
+    output = torch.empty_like(x)
+    inverse_rms = torch.empty(n_rows, device=DEVICE, dtype=torch.float32)
+    grad_input = torch.empty_like(x)
+    rms_norm_triton.rms_norm_forward(x, w, output, inverse_rms, EPS)
+    forward, backward = [], []
+    for rows, warps in FORWARD_SWEEP:
+        if rows * block > 32768 or rows * block < 32 * warps:
+            continue
+        ms = triton.testing.do_bench(
+            lambda rows=rows, warps=warps: rms_norm_triton.rms_norm_forward(x, w, output, inverse_rms, EPS, rows, warps),
+            return_mode="median"
+        )
+        forward.append({"rows_per_program": rows, "num_warps": warps, "ms": ms})
+    for rows, warps in BACKWARD_SWEEP:
+        if rows * block > 16384 or rows * block < 32 * warps:
+            continue
+        ms = triton.testing.do_bench(
+            lambda rows=rows, warps=warps: rms_norm_triton.rms_norm_backward(
+                grad_output, x, w, inverse_rms, grad_input, rows, warps
+            ),
+            return_mode="median",
+        )
+        backward.append({"rows_per_step": rows, "num_warps": warps, "ms": ms})
+    return {"forward": forward, "backward": backward}
+
+
+def run(args) -> dict:
+    from fat5.kernels.rms_norm import rms_norm_reference
+
+    bandwidth = copy_bandwidth_gbs()
+    print(f"device-to-device copy: {bandwidth:.0f} GB/s")
+    table = variants()
+    results = []
+    for width in WIDTHS:
+        torch.manual_seed(width)
+        x = torch.randn(TOKENS, width, device=DEVICE, dtype=torch.bfloat16)
+        w = (1.0 + 0.1 * torch.randn(width, device=DEVICE)).to(torch.bfloat16)
+        grad_output = torch.randn_like(x)
+        reference_x, reference_w = x.float().requires_grad_(), w.float().requires_grad_()
+        reference_output = rms_norm_reference(reference_x, reference_w, EPS)
+        reference_output.backward(grad_output.float())
+        reference = (reference_output.detach(), reference_x.grad, reference_w.grad)
+
+        tensor_bytes = TOKENS * width * x.element_size()
+        entry = {
+            "width": width,
+            "tokens": TOKENS,
+            "forward_floor_ms": 2 * tensor_bytes / bandwidth / 1e6,
+            "forward_backward_floor_ms": 5 * tensor_bytes / bandwidth / 1e6,
+            "variants": {},
+        }
+        for name, fn in table.items():
+            measured = check(fn, x, w, grad_output, reference)
+            measured.update(timings(fn, x, w, grad_output.clone()))
+            entry["variants"][name] = measured
+            print(f"d={width} {name}: {measured}")
+        if args.sweep:
+            entry["sweep"] = sweep(x, w, grad_output)
+            best_forward = min(entry["sweep"]["forward"], key=lambda row: row["ms"])
+            best_backward = min(entry["sweep"]["backward"], key=lambda row: row["ms"])
+            print(f"d={width} best forward {best_forward} best backward {best_backward}")
+        results.append(entry)
+        del reference, reference_x, reference_w, reference_output
+        torch.cuda.empty_cache()
+
+    targets = {}
+    for entry in results:
+        ours = entry["variants"]["fat5"]
+        targets[f"d{entry['width']}_forward_over_floor"] = ours["forward_ms"] / entry["forward_floor_ms"]
+        targets[f"d{entry['width']}_met_forward"] = ours["forward_ms"] / entry["forward_floor_ms"] <= TARGET_FORWARD_OVER_FLOOR
+        if "liger" in entry["variants"] and entry["width"] <= 1024:
+            speedup = entry["variants"]["liger"]["forward_backward_ms"] / ours["forward_backward_ms"]
+            targets[f"d{entry['width']}_forward_backward_speedup_vs_liger"] = speedup
+            targets[f"d{entry['width']}_met_speedup"] = speedup >= TARGET_SPEEDUP_VS_LIGER
+    print(json.dumps(targets, indent=2))
+    return write_result(args.out, results, copy_bandwidth_gbs=bandwidth, eps=EPS, dtype="bfloat16", targets=targets)
+
+
+def plot(document: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = document["results"]
+    widths = [entry["width"] for entry in results]
+    names = list(results[0]["variants"])
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for axis, key, floor_key, title in (
+        (axes[0], "forward_ms", "forward_floor_ms", "forward"),
+        (axes[1], "forward_backward_ms", "forward_backward_floor_ms", "forward+backward"),
+    ):
+        step = 0.8 / len(names)
+        for index, name in enumerate(names):
+            positions = [i + index * step for i in range(len(widths))]
+            values = [entry["variants"][name][key] for entry in results]
+            axis.bar(positions, values, width=step, label=name)
+        axis.scatter([i + 0.4 - step / 2 for i in range(len(widths))], [entry[floor_key] for entry in results],
+                     marker="_", s=600, color="red", label="bandwidth floor", zorder=3)
+        axis.set_xticks([i + 0.4 - step / 2 for i in range(len(widths))], [f"d={width}" for width in widths])
+        axis.set_yscale("log")
+        axis.set_ylabel("ms (log)")
+        axis.set_title(f"RMSNorm {title}, bf16, {results[0]['tokens']} tokens")
+        axis.legend(fontsize=8)
+    environment = document["environment"]
+    figure.suptitle(f"{environment.get('gpu')} - torch {environment['torch']}, triton {environment['triton']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/rms_norm.json")
+    parser.add_argument("--sweep", action="store_true", help="also time both kernels over launch configs")
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
+    args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as handle:
+            plot(json.load(handle), args.plot_only.replace(".json", ".png"))
+        return
+    document = run(args)
+    rows = [
+        {"d": entry["width"], "variant": name, "fwd ms": f"{v['forward_ms']:.4f}",
+         "fwd+bwd ms": f"{v['forward_backward_ms']:.4f}",
+         "graph fwd+bwd": f"{v.get('forward_backward_cudagraph_ms', float('nan')):.4f}",
+         "floor fwd / fwd+bwd": f"{entry['forward_floor_ms']:.4f} / {entry['forward_backward_floor_ms']:.4f}",
+         "dx err": f"{v['grad_input_rel_error']:.1e}"}
+        for entry in document["results"] for name, v in entry["variants"].items()
+    ]
+    print(markdown_table(rows, ["d", "variant", "fwd ms", "fwd+bwd ms", "graph fwd+bwd", "floor fwd / fwd+bwd", "dx err"]))
+    try:
+        plot(document, args.out.replace(".json", ".png"))
+    except ImportError as error:
+        print(f"no plot ({error}); redraw with --plot-only")
+
+
+if __name__ == "__main__":
+    main()
