@@ -112,7 +112,7 @@ def test_inputs_and_targets_reconstruct_the_source(twenty_thousand):
 
 
 def test_no_example_exceeds_the_length_limits(twenty_thousand):
-    objective, sources, corrupted, plan = twenty_thousand
+    _, sources, corrupted, plan = twenty_thousand
     assert np.diff(corrupted.input_offsets).max() <= 1024
     assert (np.diff(corrupted.input_offsets) == plan.input_length).all()
     assert (np.diff(corrupted.target_offsets) == plan.target_length).all()
@@ -180,7 +180,7 @@ def test_short_sources_and_edge_cases():
     rng = np.random.default_rng(5)
     prefix_of = [PREFIXES[d.prefix] for d in objective.mixture.denoisers]
     for index, denoiser in enumerate(objective.mixture.denoisers):
-        for length in range(0, 40):
+        for length in range(40):
             source = rng.integers(6, 100, size=length)
             forced = np.array([index])
             plan = objective.plan(np.array([length]), rng, denoiser=forced)

@@ -191,7 +191,7 @@ class UL2Mixture:
         if isinstance(config, Mapping) and "ul2" in config:
             config = config["ul2"]
         if not isinstance(config, Mapping):
-            raise ValueError(f"{path}: expected a mapping with 'denoisers' and 'proportions'")
+            raise TypeError(f"{path}: expected a mapping with 'denoisers' and 'proportions'")
         return cls.from_config(config)
 
     @classmethod
@@ -672,9 +672,7 @@ class UL2Objective:
         targets[target_offsets[1:] - 1] = self.eos_id
         return CorruptedBatch(inputs, input_offsets, targets, target_offsets, plan.denoiser.copy())
 
-    def __call__(
-        self, sequences: Sequence[Sequence[int]], rng: np.random.Generator
-    ) -> tuple[CorruptedBatch, UL2Plan]:
+    def __call__(self, sequences: Sequence[Sequence[int]], rng: np.random.Generator) -> tuple[CorruptedBatch, UL2Plan]:
         """Plan and realize one example per sequence (sequences longer than allowed are truncated)."""
         arrays = [np.asarray(s, dtype=np.int64) for s in sequences]
         plan = self.plan(np.array([len(a) for a in arrays], dtype=np.int64), rng)

@@ -1,0 +1,162 @@
+"""A small T5-style tokenizer trained with `tokenizers`, and the UL2 token ids read from any tokenizer.
+
+Layout of a trained tokenizer, as in T5: ``<pad>`` = 0 (also the decoder start token), ``</s>`` = 1,
+``<unk>`` = 2, then the UL2 mode prefixes ``[R]``, ``[S]``, ``[X]``, the learned pieces, and last the sentinels
+``<extra_id_{N-1}>, ..., <extra_id_0>``, so that ``<extra_id_0>`` has the highest id. Pieces use SentencePiece's
+``▁`` word-boundary marker (Metaspace), so text round-trips through encode/decode. The result is a
+``PreTrainedTokenizerFast`` that ``AutoTokenizer.from_pretrained`` reloads after ``save_pretrained``; it appends
+``</s>`` when ``add_special_tokens=True``, like T5's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+UL2_PREFIXES = ("[R]", "[S]", "[X]")
+TOKENIZER_MODELS = ("unigram", "bpe")
+_SENTINEL_PATTERN = re.compile(r"<extra_id_(\d+)>")
+
+
+def sentinel_token(index: int) -> str:
+    """The T5 name of sentinel ``index``: ``<extra_id_{index}>``."""
+    return f"<extra_id_{index}>"
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int = 4096,
+    num_sentinels: int = 256,
+    model: str = "unigram",
+    prefixes: Sequence[str] = UL2_PREFIXES,
+    model_max_length: int = 1024,
+    save_directory: str | os.PathLike | None = None,
+    show_progress: bool = False,
+):
+    """Train a T5-style tokenizer on ``texts`` and return it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        texts: the training text (an iterable of strings, read once).
+        vocab_size: size of the learned vocabulary, special tokens included, sentinels not.
+        num_sentinels: how many ``<extra_id_i>`` to add (T5 has 100; 256 covers UL2's r=0.5, mu=3 denoiser on
+            1024-token inputs, which needs about 171).
+        model: ``"unigram"`` (T5's SentencePiece model) or ``"bpe"``.
+        prefixes: the UL2 mode tokens to reserve (ids 3, 4, 5 by default).
+        model_max_length: recorded in the tokenizer config.
+        save_directory: where to ``save_pretrained`` it, if given.
+        show_progress: show the `tokenizers` trainer's progress bar.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    if model not in TOKENIZER_MODELS:
+        raise ValueError(f"model must be one of {TOKENIZER_MODELS}, got {model!r}")
+    special = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *prefixes]
+    if vocab_size <= len(special) + 16:
+        raise ValueError(f"vocab_size must be larger than the {len(special)} special tokens, got {vocab_size}")
+    if num_sentinels < 0:
+        raise ValueError(f"num_sentinels must be >= 0, got {num_sentinels}")
+
+    if model == "unigram":
+        tokenizer = Tokenizer(models.Unigram())
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size,
+            special_tokens=special,
+            unk_token=UNK_TOKEN,
+            show_progress=show_progress,
+            max_piece_length=16,
+        )
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=show_progress)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " ")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    for i, token in enumerate(special):
+        if tokenizer.token_to_id(token) != i:
+            raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
+
+    # Appended last, in decreasing index, so that <extra_id_0> has the highest id as in T5.
+    sentinels = [sentinel_token(i) for i in reversed(range(num_sentinels))]
+    tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sentinels])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {EOS_TOKEN}",
+        pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
+        special_tokens=[(EOS_TOKEN, tokenizer.token_to_id(EOS_TOKEN))],
+    )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=model_max_length,
+        padding_side="right",
+    )
+    wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
+    if save_directory is not None:
+        wrapped.save_pretrained(save_directory)
+    return wrapped
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load a tokenizer saved by :func:`train_tokenizer` (or any tokenizer) with ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def sentinel_token_ids(tokenizer) -> np.ndarray:
+    """Ids of ``<extra_id_0>, <extra_id_1>, ...`` (consecutive indices from 0) as a numpy array."""
+    vocab = tokenizer.get_vocab()
+    indices = sorted(int(m.group(1)) for token in vocab if (m := _SENTINEL_PATTERN.fullmatch(token)))
+    count = 0
+    while count < len(indices) and indices[count] == count:
+        count += 1
+    if count == 0:
+        raise ValueError(
+            "the tokenizer has no sentinel tokens <extra_id_0>, <extra_id_1>, ...: train one with "
+            "fat5.trainer.train_tokenizer or use a T5 tokenizer"
+        )
+    return np.array([vocab[sentinel_token(i)] for i in range(count)], dtype=np.int64)
+
+
+def prefix_token_ids(tokenizer, prefixes: Sequence[str] = UL2_PREFIXES) -> dict[str, int]:
+    """Ids of the UL2 mode tokens; each must be a single token of the vocabulary."""
+    vocab = tokenizer.get_vocab()
+    missing = [p for p in prefixes if p not in vocab]
+    if missing:
+        raise ValueError(
+            f"the tokenizer has no token for the UL2 mode prefixes {missing}: call "
+            "fat5.trainer.add_ul2_special_tokens(tokenizer) (and resize the model's embeddings)"
+        )
+    return {p: int(vocab[p]) for p in prefixes}
+
+
+def add_ul2_special_tokens(tokenizer, prefixes: Sequence[str] = UL2_PREFIXES) -> int:
+    """Add the UL2 mode tokens to an existing tokenizer (e.g. T5's); returns how many were new.
+
+    New tokens get ids after the current vocabulary: resize the model's embeddings to ``len(tokenizer)``.
+    """
+    vocab = tokenizer.get_vocab()
+    new = [p for p in prefixes if p not in vocab]
+    if not new:
+        return 0
+    return tokenizer.add_tokens(new, special_tokens=True)
