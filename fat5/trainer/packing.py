@@ -1,0 +1,358 @@
+"""Packing several UL2 examples per row, and length-aware batching to a token budget.
+
+A packed row holds examples back to back in the encoder (``segment_ids`` 1..n) and their targets back to back in
+the decoder (``decoder_segment_ids``, segment ``s`` of the decoder belongs to segment ``s`` of the encoder). Rows
+are filled first-fit-decreasing under two budgets, encoder and decoder tokens. Batches are then cut from rows
+sorted by decoder fill, so rows of a batch need about the same decoder width: with a token budget per batch
+(``tokens_per_batch``) the number of rows follows from that width.
+
+Because :meth:`fat5.trainer.ul2.UL2Objective.plan` fixes every output length before any token is read, packing
+is planned on exact lengths: :class:`UL2PackedBatchSampler` plans an epoch of a map-style dataset (long documents
+cut into pieces that fill a row) and yields batches of :class:`PlannedExample`; :class:`PlannedDataset` turns them
+into token slices and :class:`~fat5.trainer.collator.UL2DataCollator` writes the rows. Everything is a
+deterministic function of ``(seed, epoch)``, so resuming at batch ``k`` replays the same data.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from .ul2 import UL2Objective, UL2Plan
+
+
+class PlannedExample(NamedTuple):
+    """One planned example: a slice of source ``source`` with its denoiser, counts and place in a batch."""
+
+    source: int
+    start: int
+    length: int
+    denoiser: int
+    num_noise: int
+    num_spans: int
+    row: int
+    rng_key: tuple[int, ...]
+
+
+def round_up(value: int, multiple: int | None) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (unchanged for None or 1)."""
+    if not multiple or multiple <= 1:
+        return int(value)
+    return int(-(-int(value) // multiple) * multiple)
+
+
+def pack_rows(
+    input_lengths: Sequence[int] | np.ndarray,
+    target_lengths: Sequence[int] | np.ndarray,
+    max_input_length: int,
+    max_target_length: int | None = None,
+) -> tuple[np.ndarray, int]:
+    """Assign examples to rows, first-fit decreasing on input length, with both budgets respected.
+
+    Returns ``(row_of_example, num_rows)``. An example longer than a budget raises ValueError.
+    """
+    inputs = np.asarray(input_lengths, dtype=np.int64)
+    targets = np.asarray(target_lengths, dtype=np.int64)
+    if inputs.shape != targets.shape or inputs.ndim != 1:
+        raise ValueError("input_lengths and target_lengths must be 1-D and of equal length")
+    max_target = np.iinfo(np.int64).max if max_target_length is None else int(max_target_length)
+    if len(inputs) and (inputs.max() > max_input_length or targets.max() > max_target):
+        raise ValueError(
+            f"an example ({inputs.max()} input / {targets.max()} target tokens) exceeds the row budget "
+            f"({max_input_length} / {max_target_length})"
+        )
+    row_of = np.empty(len(inputs), dtype=np.int64)
+    order = np.argsort(-inputs, kind="stable")
+    smallest = int(inputs.min()) if len(inputs) else 0
+    free_input = np.empty(len(inputs), dtype=np.int64)
+    free_target = np.empty(len(inputs), dtype=np.int64)
+    open_rows = np.empty(len(inputs), dtype=np.int64)  # ids of rows that can still take the smallest example
+    num_open = num_rows = 0
+    for i in order.tolist():
+        need_in, need_tg = inputs[i], targets[i]
+        candidates = open_rows[:num_open]
+        fits = (free_input[candidates] >= need_in) & (free_target[candidates] >= need_tg)
+        slot = int(fits.argmax()) if num_open else 0
+        if num_open and fits[slot]:
+            row = int(candidates[slot])
+            free_input[row] -= need_in
+            free_target[row] -= need_tg
+            if free_input[row] < smallest:
+                open_rows[slot : num_open - 1] = open_rows[slot + 1 : num_open]
+                num_open -= 1
+        else:
+            row = num_rows
+            num_rows += 1
+            free_input[row] = max_input_length - need_in
+            free_target[row] = max_target - need_tg
+            if free_input[row] >= smallest:
+                open_rows[num_open] = row
+                num_open += 1
+        row_of[i] = row
+    return row_of, num_rows
+
+
+def batch_rows(
+    row_target_fill: np.ndarray,
+    *,
+    rows_per_batch: int | None = None,
+    tokens_per_batch: int | None = None,
+    input_width: int = 0,
+    group_by_length: bool = True,
+    pad_to_multiple_of: int | None = 8,
+    rng: np.random.Generator | None = None,
+) -> list[np.ndarray]:
+    """Cut rows into batches: ``rows_per_batch`` rows each, or as many as fit ``tokens_per_batch``.
+
+    The token budget counts every position of the batch, encoder (``input_width`` per row) and decoder (the
+    batch's widest decoder fill, rounded up). With ``group_by_length`` rows are sorted by decoder fill first,
+    so a batch needs little decoder padding; the batches come out in random order when ``rng`` is given.
+    """
+    if (rows_per_batch is None) == (tokens_per_batch is None):
+        raise ValueError("give exactly one of rows_per_batch and tokens_per_batch")
+    fill = np.asarray(row_target_fill, dtype=np.int64)
+    if group_by_length:
+        order = np.argsort(fill, kind="stable")
+    elif rng is not None:
+        order = rng.permutation(len(fill))
+    else:
+        order = np.arange(len(fill))
+    batches = []
+    if rows_per_batch is not None:
+        if rows_per_batch < 1:
+            raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
+        batches = [order[i : i + rows_per_batch] for i in range(0, len(order), rows_per_batch)]
+    else:
+        start = 0
+        widest = 0
+        for position, row in enumerate(order.tolist()):
+            widest_with_row = max(widest, round_up(fill[row], pad_to_multiple_of))
+            if position > start and (position - start + 1) * (input_width + widest_with_row) > tokens_per_batch:
+                batches.append(order[start:position])
+                start, widest_with_row = position, round_up(fill[row], pad_to_multiple_of)
+            widest = widest_with_row
+        if start < len(order):
+            batches.append(order[start:])
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def padding_stats(batch: Mapping) -> dict[str, float]:
+    """Padding of a collated batch (packed or padded), as fractions of the positions, and token counts.
+
+    Keys: ``input_tokens``, ``target_tokens`` (real tokens), ``input_padding``, ``target_padding`` and
+    ``padding_fraction`` (encoder and decoder positions together).
+    """
+    if "segment_ids" in batch:
+        input_real = batch["segment_ids"] != 0
+        target_real = batch["decoder_segment_ids"] != 0
+    else:
+        input_real = batch["attention_mask"] != 0
+        target_real = batch["labels"] != -100
+    input_tokens = int(input_real.sum())
+    target_tokens = int(target_real.sum())
+    input_positions = int(np.prod(tuple(input_real.shape)))
+    target_positions = int(np.prod(tuple(target_real.shape)))
+    return {
+        "input_tokens": input_tokens,
+        "target_tokens": target_tokens,
+        "input_padding": 1.0 - input_tokens / max(input_positions, 1),
+        "target_padding": 1.0 - target_tokens / max(target_positions, 1),
+        "padding_fraction": 1.0 - (input_tokens + target_tokens) / max(input_positions + target_positions, 1),
+    }
+
+
+def plan_packed_batches(
+    objective: UL2Objective,
+    lengths: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    rows_per_batch: int | None = None,
+    tokens_per_batch: int | None = None,
+    group_by_length: bool = True,
+    pad_to_multiple_of: int | None = 8,
+    split_long: bool = True,
+) -> tuple[UL2Plan, list[tuple[np.ndarray, np.ndarray]]]:
+    """Plan examples for sources of ``lengths`` tokens, pack them into rows and the rows into batches.
+
+    Returns the plan and, for each batch, ``(example_indices, row_within_batch)`` into that plan.
+    """
+    max_target = objective.max_target_length or objective.max_input_length
+    plan = objective.plan(lengths, rng, split_long=split_long)
+    row_of, num_rows = pack_rows(plan.input_length, plan.target_length, objective.max_input_length, max_target)
+    target_fill = np.bincount(row_of, weights=plan.target_length, minlength=num_rows).astype(np.int64)
+    batches = batch_rows(
+        target_fill,
+        rows_per_batch=rows_per_batch,
+        tokens_per_batch=tokens_per_batch,
+        input_width=objective.max_input_length,
+        group_by_length=group_by_length,
+        pad_to_multiple_of=pad_to_multiple_of,
+        rng=rng,
+    )
+    examples_by_row = np.argsort(row_of, kind="stable")
+    row_starts = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=num_rows))])
+    result = []
+    for rows in batches:
+        members = [examples_by_row[row_starts[r] : row_starts[r + 1]] for r in rows.tolist()]
+        indices = np.concatenate(members)
+        within = np.repeat(np.arange(len(rows)), [len(m) for m in members])
+        result.append((indices, within))
+    return plan, result
+
+
+class UL2PackedBatchSampler:
+    """Batch sampler for a map-style dataset of token sequences: yields lists of :class:`PlannedExample`.
+
+    Use it with :class:`PlannedDataset` and a packed :class:`~fat5.trainer.collator.UL2DataCollator`::
+
+        sampler = UL2PackedBatchSampler(dataset["length"], collator.objective, tokens_per_batch=65536)
+        loader = DataLoader(PlannedDataset(dataset), batch_sampler=sampler, collate_fn=collator)
+
+    Each epoch, sources are shuffled (seed, epoch) and taken ``pool_size`` at a time; each pool is planned
+    (long sources cut into pieces), packed into rows and cut into batches (see :func:`plan_packed_batches`).
+    Call :meth:`set_epoch` before each epoch; the batches of an epoch are the same on every call.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        objective: UL2Objective,
+        *,
+        rows_per_batch: int | None = None,
+        tokens_per_batch: int | None = None,
+        pool_size: int = 4096,
+        group_by_length: bool = True,
+        shuffle: bool = True,
+        split_long: bool = True,
+        drop_last: bool = False,
+        pad_to_multiple_of: int | None = 8,
+        seed: int = 0,
+    ):
+        if (rows_per_batch is None) == (tokens_per_batch is None):
+            raise ValueError("give exactly one of rows_per_batch and tokens_per_batch")
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.objective = objective
+        self.rows_per_batch = rows_per_batch
+        self.tokens_per_batch = tokens_per_batch
+        self.pool_size = pool_size
+        self.group_by_length = group_by_length
+        self.shuffle = shuffle
+        self.split_long = split_long
+        self.drop_last = drop_last
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.seed = seed
+        self.epoch = 0
+        self._cache: tuple[int, list[list[PlannedExample]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose batches the next iteration yields."""
+        self.epoch = int(epoch)
+
+    def batches(self, epoch: int | None = None) -> list[list[PlannedExample]]:
+        """All batches of an epoch (planned once, then cached)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
+        batches: list[list[PlannedExample]] = []
+        for pool_start in range(0, len(order), self.pool_size):
+            sources = order[pool_start : pool_start + self.pool_size]
+            plan, pool_batches = plan_packed_batches(
+                self.objective,
+                self.lengths[sources],
+                rng,
+                rows_per_batch=self.rows_per_batch,
+                tokens_per_batch=self.tokens_per_batch,
+                group_by_length=self.group_by_length,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                split_long=self.split_long,
+            )
+            if self.drop_last and self.rows_per_batch is not None:
+                pool_batches = [b for b in pool_batches if b[1].max(initial=-1) + 1 == self.rows_per_batch]
+            columns = (sources[plan.source], plan.start, plan.length, plan.denoiser, plan.num_noise, plan.num_spans)
+            columns = [c.tolist() for c in columns]
+            for indices, rows in pool_batches:
+                key = (self.seed, epoch, len(batches))
+                batches.append(
+                    [
+                        PlannedExample(*(c[i] for c in columns), row=r, rng_key=key)
+                        for i, r in zip(indices.tolist(), rows.tolist())
+                    ]
+                )
+        self._cache = (epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[PlannedExample]]:
+        yield from self.batches()
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
+class PlannedDataset:
+    """Wraps a map-style dataset of token sequences so that indexing it with a :class:`PlannedExample` gives
+    ``{"input_ids": the planned slice, "ul2_plan": the plan}``; an int index gives the item unchanged."""
+
+    def __init__(self, dataset, input_key: str = "input_ids"):
+        self.dataset = dataset
+        self.input_key = input_key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        if not isinstance(item, PlannedExample):
+            return self.dataset[item]
+        record = self.dataset[item.source]
+        tokens = record[self.input_key] if isinstance(record, Mapping) else record
+        tokens = np.asarray(tokens)[item.start : item.start + item.length]
+        return {self.input_key: tokens, "ul2_plan": item}
+
+
+def packed_stream(
+    sources: Iterable,
+    collator,
+    *,
+    rows_per_batch: int | None = None,
+    tokens_per_batch: int | None = None,
+    pool_size: int = 4096,
+    group_by_length: bool = True,
+    seed: int = 0,
+    input_key: str = "input_ids",
+) -> Iterator[dict]:
+    """Packed batches from a stream of token sequences (lists, arrays or dicts with ``input_key``).
+
+    Reads ``pool_size`` sources at a time, plans and packs them like :class:`UL2PackedBatchSampler`, and yields
+    collated batches. Deterministic for a given stream and ``seed``.
+    """
+    iterator = iter(sources)
+    objective = collator.objective
+    for pool_index in itertools.count():
+        pool = [
+            np.asarray(s[input_key] if isinstance(s, Mapping) else s, dtype=np.int64)
+            for s in itertools.islice(iterator, pool_size)
+        ]
+        if not pool:
+            return
+        rng = np.random.default_rng([seed, pool_index])
+        plan, batches = plan_packed_batches(
+            objective,
+            np.array([len(s) for s in pool], dtype=np.int64),
+            rng,
+            rows_per_batch=rows_per_batch,
+            tokens_per_batch=tokens_per_batch,
+            group_by_length=group_by_length,
+            pad_to_multiple_of=collator.pad_to_multiple_of,
+        )
+        for batch_index, (indices, rows) in enumerate(batches):
+            sub_plan = plan.select(indices)
+            batch_rng = np.random.default_rng([seed, pool_index, batch_index])
+            yield collator.collate_plan(pool, sub_plan, rows, batch_rng)
