@@ -1,0 +1,653 @@
+"""Triton attention: launch configurations, launchers, and the torch.library custom ops with their autograd.
+
+``flash_attention`` and ``flash_attention_varlen`` have the signatures (and the semantics) of ``attention.attention``
+and ``attention.attention_varlen``; those dispatch here for ``backend="triton"`` (or ``"auto"`` on CUDA). The kernels
+live in ``attention_triton_kernels.py``; its docstring describes how the T5 bias is computed in the kernel.
+
+Both entry points go through two custom ops (``attention_forward`` and ``attention_backward``, with fake
+implementations), so ``torch.compile(fullgraph=True)`` traces through attention without a graph break.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import op_namespace
+
+try:
+    import triton
+
+    from .attention_triton_kernels import (
+        _attention_backward_dkdv_kernel,
+        _attention_backward_dq_kernel,
+        _attention_forward_kernel,
+        _backward_preprocess_kernel,
+        _split_combine_kernel,
+        _t5_bias_by_distance_kernel,
+    )
+except ImportError:  # CPU-only installs: attention.py only calls in here when triton is importable
+    triton = None
+
+_NAMESPACE = op_namespace(__name__)
+_POSITION_CODES = {"none": 0, "t5": 1, "alibi": 2, "bias": 3}
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_MAX_T5_DISTANCE = 2048  # the backward keeps one fp32 accumulator slot per relative position in registers
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and launch parameters of one kernel. ``block_m`` tiles queries, ``block_n`` keys."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Per architecture and padded head dim. Hopper entries were chosen by the sweep in benchmarks/attention.py
+# (--sweep) on an H100; the Ampere ones follow the shapes FlashAttention-2 uses there and are untested.
+_CONFIGS = {
+    "sm90": {
+        "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
+                    128: LaunchConfig(128, 64, 8, 3), 256: LaunchConfig(64, 32, 4, 2)},
+        "decode": {16: LaunchConfig(16, 128, 4, 4), 32: LaunchConfig(16, 128, 4, 4), 64: LaunchConfig(16, 128, 4, 4),
+                   128: LaunchConfig(16, 64, 4, 4), 256: LaunchConfig(16, 32, 4, 3)},
+        "dkdv": {16: LaunchConfig(32, 128, 4, 3), 32: LaunchConfig(32, 128, 4, 3), 64: LaunchConfig(32, 128, 4, 3),
+                 128: LaunchConfig(64, 128, 8, 2), 256: LaunchConfig(32, 64, 4, 2)},
+        "dq": {16: LaunchConfig(128, 32, 4, 3), 32: LaunchConfig(128, 32, 4, 3), 64: LaunchConfig(128, 32, 4, 3),
+               128: LaunchConfig(128, 64, 8, 2), 256: LaunchConfig(64, 32, 4, 2)},
+    },
+    "sm80": {
+        "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
+                    128: LaunchConfig(128, 32, 8, 2), 256: LaunchConfig(64, 32, 4, 1)},
+        "decode": {16: LaunchConfig(16, 128, 4, 3), 32: LaunchConfig(16, 128, 4, 3), 64: LaunchConfig(16, 128, 4, 3),
+                   128: LaunchConfig(16, 64, 4, 3), 256: LaunchConfig(16, 32, 4, 2)},
+        "dkdv": {16: LaunchConfig(32, 64, 4, 2), 32: LaunchConfig(32, 64, 4, 2), 64: LaunchConfig(32, 128, 4, 2),
+                 128: LaunchConfig(32, 64, 4, 2), 256: LaunchConfig(16, 32, 4, 1)},
+        "dq": {16: LaunchConfig(64, 64, 4, 2), 32: LaunchConfig(64, 64, 4, 2), 64: LaunchConfig(64, 64, 4, 2),
+               128: LaunchConfig(64, 32, 4, 2), 256: LaunchConfig(32, 32, 4, 1)},
+    },
+}
+# fp32 inputs use exact ("ieee") dot products: small tiles keep them in registers and shared memory
+_FP32_CONFIG = LaunchConfig(32, 32, 4, 2)
+_FP32_DECODE_CONFIG = LaunchConfig(16, 32, 4, 2)
+# under TRITON_INTERPRET=1 small tiles keep the tests' tiny shapes multi-block (and the interpreter fast)
+_INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
+
+# Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
+CONFIG_OVERRIDES: dict = {}
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _config(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    if kind in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES[kind]
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return _FP32_DECODE_CONFIG if kind == "decode" else _FP32_CONFIG
+    major, _ = torch.cuda.get_device_capability(device)
+    return _CONFIGS["sm90" if major >= 9 else "sm80"][kind][head_dim]
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_kwargs(config: LaunchConfig, device: torch.device) -> dict:
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _DeviceGuard:
+    """Make the tensors' CUDA device current for the launches (a no-op on the CPU interpreter)."""
+
+    def __init__(self, device: torch.device):
+        self.context = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc):
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# T5 buckets and the per-head bias by relative position
+
+
+def _t5_bucket_constants(bidirectional: bool, num_buckets: int, max_distance: int) -> dict:
+    half_buckets = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = half_buckets // 2
+    if max_exact < 1 or max_distance <= max_exact:
+        raise ValueError(
+            f"T5 buckets need num_buckets >= {4 if bidirectional else 2} and max_distance > the exact range "
+            f"({max_exact}); got num_buckets={num_buckets}, max_distance={max_distance}"
+        )
+    divisor = torch.tensor(math.log(max_distance / max_exact), dtype=torch.float32)
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return {
+        "inverse_max_exact": (one / torch.tensor(float(max_exact), dtype=torch.float32)).item(),
+        "log_ratio_divisor": divisor.item(),
+        "inverse_log_ratio": (one / divisor).item(),
+        "BIDIRECTIONAL": bidirectional,
+        "HALF_BUCKETS": half_buckets,
+        "MAX_EXACT": max_exact,
+    }
+
+
+def t5_relative_buckets(
+    first_relative_position: int,
+    count: int,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+    device: torch.device,
+    table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The in-kernel T5 buckets of relative positions ``first, first + 1, ..., first + count - 1`` (int32), and,
+    given the (num_buckets, heads) ``table``, the (heads, count) fp32 bias times log2(e) at those positions."""
+    device = torch.device(device)
+    buckets = torch.empty(count, dtype=torch.int32, device=device)
+    num_heads = 1 if table is None else table.shape[1]
+    bias = None if table is None else torch.empty(num_heads, count, dtype=torch.float32, device=device)
+    block = min(1024, triton.next_power_of_2(max(count, 16)))
+    with _DeviceGuard(device):
+        _t5_bias_by_distance_kernel[(triton.cdiv(count, block), num_heads)](
+            buckets if table is None else table,
+            buckets if bias is None else bias,
+            buckets,
+            0 if table is None else table.stride(0),
+            0 if table is None else table.stride(1),
+            first_relative_position,
+            count,
+            RECIPROCAL=device.type == "cuda",
+            WRITE_BIAS=table is not None,
+            BLOCK=block,
+            **_t5_bucket_constants(bidirectional, num_buckets, max_distance),
+        )
+    return buckets, bias
+
+
+def _t5_bias_by_distance(table, bidirectional, num_buckets, max_distance):
+    return t5_relative_buckets(
+        -(max_distance + 1), 2 * max_distance + 3, bidirectional, num_buckets, max_distance, table.device, table
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+@dataclass
+class _Problem:
+    """Shapes and strides shared by the launches of one attention call (dense or varlen)."""
+
+    batch: int  # batch size, or number of segments
+    num_heads: int
+    head_dim: int
+    seqlen_q: int  # Lq, or max_seqlen_q
+    seqlen_k: int
+    is_varlen: bool
+
+    @staticmethod
+    def of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+        if cu_seqlens_q is None:
+            batch, num_heads, seqlen_q, head_dim = query.shape
+            return _Problem(batch, num_heads, head_dim, seqlen_q, key.shape[2], False)
+        return _Problem(cu_seqlens_q.shape[0] - 1, query.shape[1], query.shape[2], max_seqlen_q, max_seqlen_k, True)
+
+
+def _token_strides(tensor: torch.Tensor, problem: _Problem) -> tuple[int, int, int]:
+    """(batch, head, token) strides; varlen tensors have no batch stride (segments start at cu_seqlens)."""
+    if problem.is_varlen:
+        return 0, tensor.stride(1), tensor.stride(0)
+    return tensor.stride(0), tensor.stride(1), tensor.stride(2)
+
+
+def _row_stats_strides(stats: torch.Tensor, problem: _Problem) -> tuple[int, int]:
+    """lse and delta are (batch, heads, Lq) for dense and (heads, total_q) for varlen inputs."""
+    if problem.is_varlen:
+        return 0, stats.stride(0)
+    return stats.stride(0), stats.stride(1)
+
+
+def _position_arguments(position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance):
+    """(bias pointer, its four strides, MAX_DISTANCE, T5 bucket of each relative position) for the kernels; T5
+    gets its bias-by-distance rows."""
+    if position_encoding == "t5":
+        buckets, bias_by_distance = _t5_bias_by_distance(position_tensor, bidirectional, num_buckets, max_distance)
+        return bias_by_distance, (0, bias_by_distance.stride(0), 0, 0), max_distance, buckets
+    if position_encoding == "alibi":
+        return position_tensor, (0, 0, 0, 0), 0, None
+    if position_encoding == "bias":
+        bias = _expand_bias(position_tensor, problem)
+        # varlen segments share one bias: the segment index must not move the pointer
+        batch_stride = 0 if problem.is_varlen else bias.stride(0)
+        return bias, (batch_stride, *bias.stride()[1:]), 0, None
+    return None, (0, 0, 0, 0), 0, None
+
+
+def _expand_bias(attn_bias: torch.Tensor, problem: _Problem) -> torch.Tensor:
+    if problem.is_varlen:
+        return attn_bias.expand(1, problem.num_heads, problem.seqlen_q, problem.seqlen_k)
+    return attn_bias.expand(problem.batch, problem.num_heads, problem.seqlen_q, problem.seqlen_k)
+
+
+def _forward(
+    query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance,
+):
+    problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    device = query.device
+    out = torch.empty_like(query)
+    if problem.is_varlen:
+        lse = torch.empty(problem.num_heads, query.shape[0], dtype=torch.float32, device=device)
+    else:
+        lse = torch.empty(problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out, lse
+    decoding = problem.seqlen_q <= 16
+    config = _config("decode" if decoding else "forward", device, problem.head_dim, query.dtype)
+    num_m_blocks = triton.cdiv(problem.seqlen_q, config.block_m)
+    num_n_blocks = triton.cdiv(max(problem.seqlen_k, 1), config.block_n)
+    programs = num_m_blocks * problem.batch * problem.num_heads
+    num_splits = 1
+    if num_m_blocks == 1 and programs < _multiprocessors(device):
+        # flash-decoding: few queries against a long cache would leave most of the GPU idle; split the keys
+        num_splits = max(1, min(3 * _multiprocessors(device) // programs, num_n_blocks // 2))
+    blocks_per_split = triton.cdiv(num_n_blocks, num_splits)
+    num_splits = triton.cdiv(num_n_blocks, blocks_per_split)
+    is_split = num_splits > 1
+
+    with _DeviceGuard(device):
+        bias, bias_strides, max_distance_arg, _ = _position_arguments(
+            position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
+        )
+        padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
+        if is_split:
+            partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
+            partial_acc = torch.empty(*partial_shape, problem.head_dim, dtype=torch.float32, device=device)
+            partial_max = torch.empty(partial_shape, dtype=torch.float32, device=device)
+            partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=device)
+        else:
+            partial_acc = partial_max = partial_sum = lse
+        dummy = lse
+        grid = (num_m_blocks, problem.batch * problem.num_heads, num_splits)
+        _attention_forward_kernel[grid](
+            query, key, value, out, lse, partial_acc, partial_max, partial_sum,
+            dummy if padding is None else padding, dummy if bias is None else bias,
+            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
+            *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+            *_token_strides(out, problem), *_row_stats_strides(lse, problem),
+            0 if padding is None else padding.stride(0),
+            *bias_strides,
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
+            blocks_per_split,
+            HEAD_DIM=problem.head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            POSITION=_POSITION_CODES[position_encoding], MAX_DISTANCE=max_distance_arg, CAUSAL=causal,
+            HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
+            SAFE_CLEAN=padding is not None or position_encoding == "bias",
+            INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
+        )
+        if is_split:
+            _split_combine_kernel[(problem.batch * problem.num_heads,)](
+                partial_acc, partial_max, partial_sum, out, lse,
+                dummy if cu_seqlens_q is None else cu_seqlens_q,
+                *_token_strides(out, problem), *_row_stats_strides(lse, problem),
+                problem.num_heads, problem.seqlen_q, num_splits,
+                HEAD_DIM=problem.head_dim, BLOCK_M=config.block_m, IS_VARLEN=problem.is_varlen, num_warps=4,
+            )
+    return out, lse
+
+
+def _backward(
+    grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets,
+    max_distance, position_grad,
+):
+    problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    device = query.device
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    table_grad = position_grad and position_encoding == "t5"
+    bias_grad = position_grad and position_encoding == "bias"
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dkdv_config = _config("dkdv", device, problem.head_dim, query.dtype)
+    dq_config = _config("dq", device, problem.head_dim, query.dtype)
+    num_n_blocks = triton.cdiv(problem.seqlen_k, dkdv_config.block_n)
+    with _DeviceGuard(device):
+        bias, bias_strides, max_distance_arg, buckets = _position_arguments(
+            position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
+        )
+        padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
+        dummy = lse
+        delta = torch.empty_like(lse)
+        preprocess_block = 64 if device.type == "cuda" else 16
+        _backward_preprocess_kernel[(triton.cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
+            out, grad_out, delta, dummy if cu_seqlens_q is None else cu_seqlens_q,
+            *_token_strides(out, problem), *_token_strides(grad_out, problem), *_row_stats_strides(delta, problem),
+            problem.num_heads, problem.seqlen_q,
+            HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
+        )
+        distance_grad = dbias = None
+        if table_grad:
+            distance_grad = torch.zeros(
+                problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3, dtype=torch.float32, device=device
+            )
+        if bias_grad:
+            dbias = torch.zeros(
+                problem.batch, problem.num_heads, problem.seqlen_q, problem.seqlen_k, dtype=torch.float32, device=device
+            )
+        common = {
+            "HEAD_DIM": problem.head_dim, "POSITION": _POSITION_CODES[position_encoding], "MAX_DISTANCE": max_distance_arg,
+            "CAUSAL": causal, "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
+            "INPUT_PRECISION": _input_precision(query.dtype),
+        }
+        pointers = (
+            dummy if padding is None else padding, dummy if bias is None else bias,
+        )
+        cu_pointers = (
+            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
+        )
+        shape_arguments = (
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634, scale,
+        )
+        _attention_backward_dkdv_kernel[(num_n_blocks, problem.batch * problem.num_heads)](
+            query, key, value, grad_out, lse, delta, dq, dk, dv,
+            *pointers, dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias,
+            *cu_pointers,
+            *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+            *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
+            *_row_stats_strides(lse, problem),
+            0 if padding is None else padding.stride(0),
+            *bias_strides,
+            *((0, 0, 0, 0) if dbias is None else dbias.stride()),
+            *shape_arguments,
+            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad,
+            DIAGONALS_PAD=triton.next_power_of_2(dkdv_config.block_m + dkdv_config.block_n - 1),
+            DISTANCES_PAD=triton.next_power_of_2(2 * max_distance_arg + 3),
+            **common, **_launch_kwargs(dkdv_config, device),
+        )
+        _attention_backward_dq_kernel[(triton.cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
+            query, key, value, grad_out, lse, delta, dq,
+            *pointers, *cu_pointers,
+            *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+            *_token_strides(grad_out, problem), *_token_strides(dq, problem),
+            *_row_stats_strides(lse, problem),
+            0 if padding is None else padding.stride(0),
+            *bias_strides,
+            *shape_arguments,
+            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, **common, **_launch_kwargs(dq_config, device),
+        )
+    position_gradient = query.new_empty(0)
+    if table_grad:
+        per_distance = distance_grad.sum(dim=(0, 1))  # (heads, distances): a fixed-order reduction, deterministic
+        one_hot = (buckets[:, None].long() == torch.arange(num_buckets, device=device)[None, :]).float()
+        position_gradient = (per_distance[:, :, None] * one_hot[None]).sum(dim=1).t().to(position_tensor.dtype)
+    elif bias_grad:
+        if problem.is_varlen:
+            dbias = dbias.sum(dim=0)
+        position_gradient = dbias.sum_to_size(position_tensor.shape).to(position_tensor.dtype)
+    return dq, dk, dv, position_gradient
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops and autograd
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_forward", mutates_args=())
+def attention_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    position_tensor: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    query_offset: int,
+    position_encoding: str,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and its row log-sum-exp (log2 units, +inf for rows that see no key)."""
+    return _forward(
+        query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance,
+    )
+
+
+@attention_forward_op.register_fake
+def _attention_forward_fake(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding,
+                            bidirectional, num_buckets, max_distance):
+    if cu_seqlens_q is None:
+        lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+    else:
+        lse = query.new_empty((query.shape[1], query.shape[0]), dtype=torch.float32)
+    return torch.empty_like(query), lse
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    position_tensor: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    query_offset: int,
+    position_encoding: str,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+    position_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the gradient of the position tensor (the T5 table or the explicit bias; empty otherwise)."""
+    return _backward(
+        grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets,
+        max_distance, position_grad,
+    )
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
+                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding,
+                             bidirectional, num_buckets, max_distance, position_grad):
+    if position_grad and position_encoding in ("t5", "bias"):
+        position_gradient = torch.empty_like(position_tensor, memory_format=torch.contiguous_format)
+    else:
+        position_gradient = query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), position_gradient
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options) = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    position_encoding = ctx.options[5]
+    position_grad = ctx.needs_input_grad[4] and position_encoding in ("t5", "bias")
+    dq, dk, dv, position_gradient = attention_backward_op(
+        grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+        *ctx.options, position_grad,
+    )
+    return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 11
+
+
+attention_forward_op.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
+                            max_distance, alibi_slopes, dropout_p):
+    if triton is None:
+        raise RuntimeError("the Triton attention needs the `triton` package, which is not installed")
+    if query.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"the Triton attention supports float16, bfloat16 and float32 inputs, got {query.dtype}")
+    if query.shape[-1] > _MAX_HEAD_DIM:
+        raise ValueError(f"the Triton attention supports head_dim up to {_MAX_HEAD_DIM}, got {query.shape[-1]}")
+    if dropout_p > 0.0:
+        raise ValueError(
+            "the Triton attention does not implement attention dropout: pass dropout_p=0.0, or backend='reference' "
+            "to train with dropout on the attention probabilities"
+        )
+    if position_encoding == "t5":
+        if relative_attention_bias.shape != (num_buckets, num_heads):
+            raise ValueError(
+                f"relative_attention_bias must be (num_buckets, heads) = {(num_buckets, num_heads)}, "
+                f"got {tuple(relative_attention_bias.shape)}"
+            )
+        if max_distance > _MAX_T5_DISTANCE:
+            raise ValueError(f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, got {max_distance}")
+        _t5_bucket_constants(bidirectional, num_buckets, max_distance)
+    if position_encoding == "alibi" and alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes must be (heads,) = ({num_heads},), got {tuple(alibi_slopes.shape)}")
+
+
+def _prepare(tensors, head_dim):
+    """Pad the head dim to the kernels' power of two (zeros leave q·k and p·v unchanged); last dim contiguous."""
+    padded = _padded_head_dim(head_dim)
+    prepared = []
+    for tensor in tensors:
+        if padded != head_dim:
+            tensor = torch.nn.functional.pad(tensor, (0, padded - head_dim))
+        elif tensor.stride(-1) != 1:
+            tensor = tensor.contiguous()
+        prepared.append(tensor)
+    return prepared
+
+
+def _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias):
+    if position_encoding == "t5":
+        return relative_attention_bias
+    if position_encoding == "alibi":
+        return alibi_slopes.detach().float().contiguous()
+    if position_encoding == "bias":
+        return attn_bias
+    return None
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    query_offset: int = 0,
+    position_encoding: str = "none",
+    relative_attention_bias: torch.Tensor | None = None,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+    alibi_slopes: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Triton attention over (batch, heads, length, head_dim) tensors; see ``attention.attention``.
+
+    ALiBi slopes receive no gradient; ``dropout_p > 0`` raises (use the reference backend).
+    """
+    batch, num_heads, query_length, head_dim = query.shape
+    key_length = key.shape[2]
+    _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
+                            max_distance, alibi_slopes, dropout_p)
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {key_padding_mask.dtype}")
+        if key_padding_mask.stride(-1) != 1:
+            key_padding_mask = key_padding_mask.contiguous()
+    if position_encoding == "bias":
+        try:
+            torch.broadcast_shapes(attn_bias.shape, (batch, num_heads, query_length, key_length))
+        except RuntimeError as error:
+            raise ValueError(
+                f"attn_bias {tuple(attn_bias.shape)} does not broadcast to (batch, heads, query_length, key_length) "
+                f"= {(batch, num_heads, query_length, key_length)}"
+            ) from error
+    query, key, value = _prepare((query, key, value), head_dim)
+    out, _ = attention_forward_op(
+        query, key, value, key_padding_mask,
+        _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
+        None, None, query_length, key_length, float(scale), bool(causal), int(query_offset), position_encoding,
+        bool(bidirectional), int(num_buckets), int(max_distance),
+    )
+    return out if out.shape[-1] == head_dim else out[..., :head_dim]
+
+
+def flash_attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float = 1.0,
+    causal: bool = False,
+    query_offset: int = 0,
+    position_encoding: str = "none",
+    relative_attention_bias: torch.Tensor | None = None,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+    alibi_slopes: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Triton attention over packed (tokens, heads, head_dim) tensors; see ``attention.attention_varlen``."""
+    _, num_heads, head_dim = query.shape
+    _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
+                            max_distance, alibi_slopes, dropout_p)
+    if position_encoding == "bias" and attn_bias.shape[-2:] != (max_seqlen_q, max_seqlen_k):
+        raise ValueError(
+            f"attn_bias for varlen attention is (heads, max_seqlen_q, max_seqlen_k) = "
+            f"{(num_heads, max_seqlen_q, max_seqlen_k)}, got {tuple(attn_bias.shape)}"
+        )
+    query, key, value = _prepare((query, key, value), head_dim)
+    out, _ = attention_forward_op(
+        query, key, value, None,
+        _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
+        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k),
+        float(scale), bool(causal), int(query_offset), position_encoding, bool(bidirectional), int(num_buckets),
+        int(max_distance),
+    )
+    return out if out.shape[-1] == head_dim else out[..., :head_dim]

@@ -1,0 +1,868 @@
+"""Triton kernels of FAT5's attention (the FlashAttention-2 algorithm) with the position bias computed in the kernel.
+
+Conventions shared by every kernel here:
+
+* Scores are kept in log2 units, ``s = log2(e) * (scale * q·k + bias)``, so that the softmax uses ``exp2``; the
+  log-sum-exp saved for the backward is in the same units, and is ``+inf`` for a query row that sees no key (its
+  probabilities recompute to 0 in the backward instead of NaN).
+* Query row ``i`` of a program sits at position ``query_offset + i`` and key ``j`` at ``j`` (varlen: within its
+  segment). ``rel = j - (query_offset + i)``.
+* T5: the kernels never compute a bucket per score. A prologue (``_t5_bias_by_distance_kernel``) evaluates T5's
+  bucket function (fp32 log, as in the reference) once per relative position in ``[-(D+1), D+1]`` (D =
+  max_distance) and gathers the table into a per-head row ``bias_by_distance[h, rel + D + 1]`` (log2 units).
+  Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
+  A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
+  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum; a near
+  tile is reduced along its diagonals (equal ``rel``) through ``tl.gather`` and accumulated per relative position
+  in registers, so each program writes one fp32 row of partial sums: no atomics, deterministic.
+* Each program splits its loop over the other axis into ranges with compile-time behaviour: tiles that need no
+  causal/boundary mask, split for T5 into far-left, near and far-right, and the tiles that need masking.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # attention_triton.py catches this: CPU-only installs never launch these kernels
+    raise ImportError("fat5's Triton attention kernels need the `triton` package") from error
+
+LOG2E = 1.4426950408889634
+
+POSITION_NONE = tl.constexpr(0)
+POSITION_T5 = tl.constexpr(1)
+POSITION_ALIBI = tl.constexpr(2)
+POSITION_BIAS = tl.constexpr(3)
+
+BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
+BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
+
+
+@triton.jit
+def _floor_div(numerator, denominator):
+    """Floor division for a possibly negative numerator (Triton's ``//`` truncates toward zero)."""
+    return tl.where(numerator >= 0, numerator // denominator, -((denominator - 1 - numerator) // denominator))
+
+
+@triton.jit
+def _ceil_div(numerator, denominator):
+    return -_floor_div(-numerator, denominator)
+
+
+@triton.jit
+def _t5_relative_bucket(
+    relative_position,
+    inverse_max_exact,
+    log_ratio_divisor,
+    inverse_log_ratio,
+    BIDIRECTIONAL: tl.constexpr,
+    HALF_BUCKETS: tl.constexpr,
+    MAX_EXACT: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+):
+    """T5's ``_relative_position_bucket`` in fp32, as the reference computes it on the same device.
+
+    ``HALF_BUCKETS`` is num_buckets // 2 when bidirectional, else num_buckets. PyTorch divides a CUDA tensor by a
+    Python scalar as a multiplication by the fp32 reciprocal, and a CPU tensor by true division; ``RECIPROCAL``
+    picks the same arithmetic so that the buckets agree bit for bit with the reference on either device
+    (``inverse_max_exact`` = 1/max_exact, ``log_ratio_divisor`` = log(max_distance / max_exact) and
+    ``inverse_log_ratio`` = 1/that, each rounded to fp32 as PyTorch rounds them).
+    """
+    if BIDIRECTIONAL:
+        bucket = tl.where(relative_position > 0, HALF_BUCKETS, 0)
+        distance = tl.abs(relative_position)
+    else:
+        bucket = tl.zeros_like(relative_position)
+        distance = tl.maximum(-relative_position, 0)
+    # distances below MAX_EXACT take the exact branch; clamping them keeps log(0) out of the unused branch
+    distance_float = tl.maximum(distance, MAX_EXACT).to(tl.float32)
+    if RECIPROCAL:
+        log_ratio = tl.log(distance_float * inverse_max_exact) * inverse_log_ratio
+    else:
+        log_ratio = tl.log(distance_float / MAX_EXACT) / log_ratio_divisor
+    large = MAX_EXACT + (log_ratio * (HALF_BUCKETS - MAX_EXACT)).to(tl.int32)
+    large = tl.minimum(large, HALF_BUCKETS - 1)
+    return bucket + tl.where(distance < MAX_EXACT, distance, large)
+
+
+@triton.jit
+def _t5_bias_by_distance_kernel(
+    Table,
+    BiasByDistance,
+    BucketByDistance,
+    stride_table_bucket,
+    stride_table_head,
+    first_relative_position,
+    num_positions,
+    inverse_max_exact,
+    log_ratio_divisor,
+    inverse_log_ratio,
+    BIDIRECTIONAL: tl.constexpr,
+    HALF_BUCKETS: tl.constexpr,
+    MAX_EXACT: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    WRITE_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Buckets (and, with ``WRITE_BIAS``, table values times log2(e)) for consecutive relative positions."""
+    head = tl.program_id(1)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < num_positions
+    bucket = _t5_relative_bucket(
+        first_relative_position + offsets, inverse_max_exact, log_ratio_divisor, inverse_log_ratio,
+        BIDIRECTIONAL, HALF_BUCKETS, MAX_EXACT, RECIPROCAL,
+    )
+    if head == 0:
+        tl.store(BucketByDistance + offsets, bucket, mask=in_range)
+    if WRITE_BIAS:
+        value = tl.load(Table + bucket * stride_table_bucket + head * stride_table_head, mask=in_range, other=0.0)
+        tl.store(BiasByDistance + head * num_positions + offsets, value.to(tl.float32) * LOG2E, mask=in_range)
+
+
+@triton.jit
+def _score_bias(
+    scores,
+    query_positions,
+    key_positions,
+    rows,
+    seqlen_q,
+    seqlen_k,
+    bias_base,
+    stride_bias_m,
+    stride_bias_n,
+    bias_scalar,
+    POSITION: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """Add the position bias (log2 units) to ``scores`` (already times qk_scale).
+
+    ``scores`` is (queries, keys), or (keys, queries) when ``TRANSPOSED`` (the dk/dv kernel). For T5 far tiles and
+    ALiBi ``bias_scalar`` is the tile's value / the head's slope (both times log2(e)).
+    """
+    if TRANSPOSED:
+        relative = key_positions[:, None] - query_positions[None, :]
+    else:
+        relative = key_positions[None, :] - query_positions[:, None]
+    if POSITION == POSITION_T5:
+        if BIAS_MODE == BIAS_SCALAR:
+            scores = scores + bias_scalar
+        else:
+            clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
+            scores = scores + tl.load(bias_base + (clamped + MAX_DISTANCE + 1))
+    elif POSITION == POSITION_ALIBI:
+        scores = scores - bias_scalar * tl.abs(relative).to(tl.float32)
+    elif POSITION == POSITION_BIAS:
+        if TRANSPOSED:
+            offsets = rows[None, :] * stride_bias_m + key_positions[:, None] * stride_bias_n
+            inside = (rows[None, :] < seqlen_q) & (key_positions[:, None] < seqlen_k)
+        else:
+            offsets = rows[:, None] * stride_bias_m + key_positions[None, :] * stride_bias_n
+            inside = (rows[:, None] < seqlen_q) & (key_positions[None, :] < seqlen_k)
+        scores = scores + tl.load(bias_base + offsets, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    return scores
+
+
+@triton.jit
+def _forward_inner(
+    acc,
+    row_sum,
+    row_max,
+    q,
+    key_base,
+    value_base,
+    stride_kn,
+    stride_vn,
+    mask_base,
+    bias_base,
+    stride_bias_m,
+    stride_bias_n,
+    rows,
+    query_positions,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    bias_scalar,
+    block_start,
+    block_end,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POSITION: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    SAFE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for block in range(block_start, block_end):
+        keys = block * BLOCK_N + offs_n
+        if APPLY_MASK:
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+        else:
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        scores = _score_bias(
+            scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
+        )
+        if APPLY_MASK:
+            visible = keys[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= query_positions[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        if HAS_PADDING:
+            keep = tl.load(mask_base + keys, mask=keys < seqlen_k, other=0) != 0
+            scores = tl.where(keep[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        if SAFE:  # a row may have seen only masked keys so far: subtract 0 instead of -inf (no NaN)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        else:
+            shift = new_max
+        p = tl.math.exp2(scores - shift[:, None])
+        alpha = tl.math.exp2(row_max - shift)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if APPLY_MASK:
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+        else:
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _program_coordinates(
+    CuSeqlensQ,
+    CuSeqlensK,
+    batch,
+    seqlen_q,
+    seqlen_k,
+    IS_VARLEN: tl.constexpr,
+):
+    """Start token (int64) and length of this program's query and key sequences."""
+    q_start = tl.zeros([], tl.int64)
+    k_start = tl.zeros([], tl.int64)
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch).to(tl.int64)
+        seqlen_q = (tl.load(CuSeqlensQ + batch + 1) - q_start).to(tl.int32)
+        k_start = tl.load(CuSeqlensK + batch).to(tl.int64)
+        seqlen_k = (tl.load(CuSeqlensK + batch + 1) - k_start).to(tl.int32)
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def _key_ranges(
+    start_m,
+    seqlen_k,
+    query_offset,
+    block_lo,
+    block_hi_limit,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Key-block ranges for the query block at ``start_m``: [lo, far_left_end) far-left, [far_left_end,
+    far_right_start) near, [far_right_start, clean_end) far-right (T5 splits only the unmasked blocks), then
+    [clean_end, hi) the blocks that need the causal or the key-boundary mask."""
+    if CAUSAL:
+        visible_end = tl.minimum(seqlen_k, query_offset + start_m + BLOCK_M)
+        block_hi = tl.cdiv(tl.maximum(visible_end, 0), BLOCK_N)
+        clean_end = tl.minimum(seqlen_k // BLOCK_N, _floor_div(query_offset + start_m + 1, BLOCK_N))
+    else:
+        block_hi = tl.cdiv(seqlen_k, BLOCK_N)
+        clean_end = seqlen_k // BLOCK_N
+    block_hi = tl.minimum(block_hi, block_hi_limit)
+    clean_end = tl.maximum(tl.minimum(clean_end, block_hi), block_lo)
+    far_left_end = tl.minimum(tl.maximum(_floor_div(query_offset + start_m - MAX_DISTANCE, BLOCK_N), block_lo), clean_end)
+    far_right_start = tl.minimum(
+        tl.maximum(_ceil_div(query_offset + start_m + BLOCK_M + MAX_DISTANCE, BLOCK_N), far_left_end), clean_end
+    )
+    return far_left_end, far_right_start, clean_end, block_hi
+
+
+@triton.jit
+def _attention_forward_kernel(
+    Q, K, V, Out, Lse, PartialAcc, PartialMax, PartialSum,
+    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lse_b, stride_lse_h,
+    stride_mask_b,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    num_heads, seqlen_q, seqlen_k, query_offset, qk_scale, blocks_per_split,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    POSITION: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    SAFE_CLEAN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if CAUSAL:  # the longest rows first, so that the short ones fill the tail of the grid
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start, seqlen_q, k_start, seqlen_k = _program_coordinates(
+        CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_positions = rows + query_offset
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
+    key_base = K + batch64 * stride_kb + head64 * stride_kh + k_start * stride_kn
+    value_base = V + batch64 * stride_vb + head64 * stride_vh + k_start * stride_vn
+    mask_base = KeyPaddingMask + batch64 * stride_mask_b
+    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=rows[:, None] < seqlen_q, other=0.0)
+
+    bias_base = Bias
+    bias_scalar = 0.0
+    if POSITION == POSITION_T5:
+        bias_base = Bias + head * stride_bias_h
+    elif POSITION == POSITION_ALIBI:
+        bias_scalar = tl.load(Bias + head).to(tl.float32) * LOG2E
+    elif POSITION == POSITION_BIAS:
+        bias_base = Bias + batch64 * stride_bias_b + head64 * stride_bias_h
+
+    block_lo = 0
+    block_hi_limit = tl.cdiv(seqlen_k, BLOCK_N)
+    if IS_SPLIT:
+        block_lo = tl.program_id(2) * blocks_per_split
+        block_hi_limit = block_lo + blocks_per_split
+    far_left_end, far_right_start, clean_end, block_hi = _key_ranges(
+        start_m, seqlen_k, query_offset, block_lo, block_hi_limit, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
+    )
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if POSITION == POSITION_T5:
+        acc, row_sum, row_max = _forward_inner(
+            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
+            block_lo, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+        )
+        acc, row_sum, row_max = _forward_inner(
+            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+            far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+        )
+        acc, row_sum, row_max = _forward_inner(
+            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+            tl.load(bias_base + 2 * MAX_DISTANCE + 2),
+            far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+        )
+    else:
+        acc, row_sum, row_max = _forward_inner(
+            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+            block_lo, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+        )
+    acc, row_sum, row_max = _forward_inner(
+        acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+        stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+        clean_end, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+        True, CAUSAL, HAS_PADDING, True, INPUT_PRECISION,
+    )
+
+    if IS_SPLIT:  # unnormalised partial results, merged by _split_combine_kernel
+        partial = (tl.program_id(2) * tl.num_programs(1) + pid_bh).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(PartialAcc + partial[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        tl.store(PartialMax + partial, row_max)
+        tl.store(PartialSum + partial, row_sum)
+    else:
+        empty = row_sum == 0.0
+        out = acc / tl.where(empty, 1.0, row_sum)[:, None]
+        out_base = Out + batch64 * stride_ob + head64 * stride_oh + q_start * stride_om
+        tl.store(out_base + rows[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < seqlen_q)
+        lse = tl.where(empty, float("inf"), row_max + tl.math.log2(tl.where(empty, 1.0, row_sum)))
+        lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+        tl.store(lse_base + rows, lse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _split_combine_kernel(
+    PartialAcc, PartialMax, PartialSum, Out, Lse, CuSeqlensQ,
+    stride_ob, stride_oh, stride_om,
+    stride_lse_b, stride_lse_h,
+    num_heads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """Merge the per-split (acc, max, sum) of the split-key (decoding) forward into out and lse."""
+    pid_bh = tl.program_id(0)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start = tl.zeros([], tl.int64)
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch).to(tl.int64)
+        seqlen_q = (tl.load(CuSeqlensQ + batch + 1) - q_start).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):
+        partial = (split * tl.num_programs(0) + pid_bh).to(tl.int64) * BLOCK_M + rows
+        total_max = tl.maximum(total_max, tl.load(PartialMax + partial))
+    shift = tl.where(total_max == float("-inf"), 0.0, total_max)
+    total_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(num_splits):
+        partial = (split * tl.num_programs(0) + pid_bh).to(tl.int64) * BLOCK_M + rows
+        weight = tl.math.exp2(tl.load(PartialMax + partial) - shift)
+        total_sum += tl.load(PartialSum + partial) * weight
+        acc += tl.load(PartialAcc + partial[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None]
+    empty = total_sum == 0.0
+    out = acc / tl.where(empty, 1.0, total_sum)[:, None]
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    out_base = Out + batch64 * stride_ob + head64 * stride_oh + q_start * stride_om
+    tl.store(out_base + rows[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=rows[:, None] < seqlen_q)
+    lse = tl.where(empty, float("inf"), total_max + tl.math.log2(tl.where(empty, 1.0, total_sum)))
+    tl.store(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, lse, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _backward_preprocess_kernel(
+    Out, GradOut, Delta, CuSeqlensQ,
+    stride_ob, stride_oh, stride_om,
+    stride_gb, stride_gh, stride_gm,
+    stride_delta_b, stride_delta_h,
+    num_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """delta_i = sum_d out_id * grad_out_id (fp32), the softmax-backward row term."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start = tl.zeros([], tl.int64)
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch).to(tl.int64)
+        seqlen_q = (tl.load(CuSeqlensQ + batch + 1) - q_start).to(tl.int32)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    inside = rows[:, None] < seqlen_q
+    out = tl.load(Out + batch64 * stride_ob + head64 * stride_oh + (q_start + rows[:, None]) * stride_om + offs_d[None, :],
+                  mask=inside, other=0.0)
+    grad = tl.load(GradOut + batch64 * stride_gb + head64 * stride_gh + (q_start + rows[:, None]) * stride_gm
+                   + offs_d[None, :], mask=inside, other=0.0)
+    delta = tl.sum(out.to(tl.float32) * grad.to(tl.float32), axis=1)
+    tl.store(Delta + batch64 * stride_delta_b + head64 * stride_delta_h + q_start + rows, delta, mask=rows < seqlen_q)
+
+
+@triton.jit
+def _accumulate_diagonals(
+    distance_acc,
+    ds_t,
+    base_relative,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    DIAGONALS_PAD: tl.constexpr,
+    DISTANCES_PAD: tl.constexpr,
+):
+    """Add the (keys, queries) tile ``ds_t`` into ``distance_acc[rel + D + 1]``, rel = base_relative + jl - il.
+
+    Diagonal t of the tile (rel = base_relative + t - (BLOCK_M - 1)) is summed by gathering, for every query
+    column il, the key row jl = t + il - (BLOCK_M - 1); relative positions beyond +-(D + 1) go to the end slots.
+    """
+    diagonal = tl.arange(0, DIAGONALS_PAD)
+    columns = tl.arange(0, BLOCK_M)
+    source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
+    on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
+    gathered = tl.gather(ds_t, tl.minimum(tl.maximum(source_rows, 0), BLOCK_N - 1), axis=0)
+    diagonal_sums = tl.sum(tl.where(on_tile, gathered, 0.0), axis=1)
+    relative = base_relative + diagonal - (BLOCK_M - 1)
+    real_diagonal = diagonal < BLOCK_M + BLOCK_N - 1
+    left = tl.sum(tl.where(real_diagonal & (relative <= -(MAX_DISTANCE + 1)), diagonal_sums, 0.0), axis=0)
+    right = tl.sum(tl.where(real_diagonal & (relative >= MAX_DISTANCE + 1), diagonal_sums, 0.0), axis=0)
+    slots = tl.arange(0, DISTANCES_PAD)
+    source_diagonal = slots - (MAX_DISTANCE + 1) - base_relative + (BLOCK_M - 1)
+    inner = (slots >= 1) & (slots <= 2 * MAX_DISTANCE + 1)
+    inner = inner & (source_diagonal >= 0) & (source_diagonal < BLOCK_M + BLOCK_N - 1)
+    moved = tl.gather(diagonal_sums, tl.minimum(tl.maximum(source_diagonal, 0), DIAGONALS_PAD - 1), axis=0)
+    distance_acc += tl.where(inner, moved, 0.0)
+    distance_acc += tl.where(slots == 0, left, 0.0) + tl.where(slots == 2 * MAX_DISTANCE + 2, right, 0.0)
+    return distance_acc
+
+
+@triton.jit
+def _backward_dkdv_inner(
+    dk, dv, distance_acc, far_sum, k, v, keys, key_keep,
+    q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+    bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+    seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n,
+    block_start, block_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POSITION: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    TABLE_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    DIAGONALS_PAD: tl.constexpr,
+    DISTANCES_PAD: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for block in range(block_start, block_end):
+        rows = block * BLOCK_M + offs_m
+        query_positions = rows + query_offset
+        in_rows = rows < seqlen_q
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+        # rows past the end get lse = +inf: their probabilities are 0 without a score mask
+        lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
+        scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
+        scores_t = _score_bias(
+            scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
+        )
+        if APPLY_MASK:
+            visible = keys[:, None] < seqlen_k
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= query_positions[None, :])
+            scores_t = tl.where(visible, scores_t, float("-inf"))
+        p_t = tl.math.exp2(scores_t - lse[None, :])
+        if HAS_PADDING:
+            p_t = tl.where(key_keep[:, None], p_t, 0.0)
+        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        if TABLE_GRAD:
+            if BIAS_MODE == BIAS_SCALAR:
+                far_sum += tl.sum(tl.sum(ds_t, axis=1), axis=0)
+            else:
+                distance_acc = _accumulate_diagonals(
+                    distance_acc, ds_t, start_n - query_offset - block * BLOCK_M,
+                    BLOCK_M, BLOCK_N, MAX_DISTANCE, DIAGONALS_PAD, DISTANCES_PAD,
+                )
+        if BIAS_GRAD:
+            tl.store(dbias_base + rows[None, :] * stride_dbias_m + keys[:, None] * stride_dbias_n, ds_t,
+                     mask=in_rows[None, :] & (keys[:, None] < seqlen_k))
+    return dk, dv, distance_acc, far_sum
+
+
+@triton.jit
+def _attention_backward_dkdv_kernel(
+    Q, K, V, GradOut, Lse, Delta, DQ, DK, DV,
+    KeyPaddingMask, Bias, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_gb, stride_gh, stride_gm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_lse_b, stride_lse_h,
+    stride_mask_b,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
+    num_heads, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    POSITION: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    TABLE_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    DIAGONALS_PAD: tl.constexpr,
+    DISTANCES_PAD: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """dk and dv of one key block, looping over the query blocks; for T5 also this block's table-gradient row."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start, seqlen_q, k_start, seqlen_k = _program_coordinates(
+        CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    keys = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    in_keys = keys[:, None] < seqlen_k
+    k = tl.load(K + batch64 * stride_kb + head64 * stride_kh + (k_start + keys[:, None]) * stride_kn + offs_d[None, :],
+                mask=in_keys, other=0.0)
+    v = tl.load(V + batch64 * stride_vb + head64 * stride_vh + (k_start + keys[:, None]) * stride_vn + offs_d[None, :],
+                mask=in_keys, other=0.0)
+    key_keep = keys < seqlen_k
+    if HAS_PADDING:
+        key_keep = tl.load(KeyPaddingMask + batch64 * stride_mask_b + keys, mask=keys < seqlen_k, other=0) != 0
+    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
+    do_base = GradOut + batch64 * stride_gb + head64 * stride_gh + q_start * stride_gm
+    lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    bias_base = Bias
+    bias_scalar = 0.0
+    if POSITION == POSITION_T5:
+        bias_base = Bias + head * stride_bias_h
+    elif POSITION == POSITION_ALIBI:
+        bias_scalar = tl.load(Bias + head).to(tl.float32) * LOG2E
+    elif POSITION == POSITION_BIAS:
+        bias_base = Bias + batch64 * stride_bias_b + head64 * stride_bias_h
+    dbias_base = DBias + batch64 * stride_dbias_b + head64 * stride_dbias_h
+
+    # query-block ranges: [lo, clean_start) causal diagonal (masked), then unmasked blocks split for T5 into
+    # far-right (queries far before the keys), near and far-left; a partial key block masks every tile
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        block_lo = tl.minimum(tl.maximum(start_n - query_offset, 0) // BLOCK_M, num_m_blocks)
+        clean_start = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - query_offset, 0), BLOCK_M), block_lo)
+        clean_start = tl.minimum(clean_start, num_m_blocks)
+    else:
+        block_lo = 0
+        clean_start = 0
+    if start_n + BLOCK_N > seqlen_k:
+        clean_start = num_m_blocks
+    far_right_end = tl.minimum(tl.maximum(_floor_div(start_n - query_offset - MAX_DISTANCE, BLOCK_M), clean_start),
+                               num_m_blocks)
+    far_left_start = tl.minimum(
+        tl.maximum(_ceil_div(start_n + BLOCK_N + MAX_DISTANCE - query_offset, BLOCK_M), far_right_end), num_m_blocks
+    )
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    distance_acc = tl.zeros([DISTANCES_PAD], dtype=tl.float32)
+    far_left_sum = tl.zeros([], dtype=tl.float32)
+    far_right_sum = tl.zeros([], dtype=tl.float32)
+    unused_sum = tl.zeros([], dtype=tl.float32)
+    dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
+        dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
+        q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+        bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+        seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, block_lo, clean_start,
+        BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+    )
+    if POSITION == POSITION_T5:
+        dk, dv, distance_acc, far_right_sum = _backward_dkdv_inner(
+            dk, dv, distance_acc, far_right_sum, k, v, keys, key_keep,
+            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base + 2 * MAX_DISTANCE + 2), start_n,
+            clean_start, far_right_end,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        )
+        dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
+            dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
+            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, far_right_end, far_left_start,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        )
+        dk, dv, distance_acc, far_left_sum = _backward_dkdv_inner(
+            dk, dv, distance_acc, far_left_sum, k, v, keys, key_keep,
+            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base), start_n, far_left_start, num_m_blocks,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        )
+    else:
+        dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
+            dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
+            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, clean_start, num_m_blocks,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        )
+    dk_base = DK + batch64 * stride_dkb + head64 * stride_dkh + k_start * stride_dkn
+    dv_base = DV + batch64 * stride_dvb + head64 * stride_dvh + k_start * stride_dvn
+    tl.store(dk_base + keys[:, None] * stride_dkn + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=in_keys)
+    tl.store(dv_base + keys[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=in_keys)
+    if TABLE_GRAD:
+        slots = tl.arange(0, DISTANCES_PAD)
+        distance_acc += tl.where(slots == 0, far_left_sum, 0.0) + tl.where(slots == 2 * MAX_DISTANCE + 2, far_right_sum, 0.0)
+        row = (batch64 * tl.num_programs(0) + pid_n) * num_heads + head
+        tl.store(DistanceGrad + row * (2 * MAX_DISTANCE + 3) + slots, distance_acc, mask=slots < 2 * MAX_DISTANCE + 3)
+
+
+@triton.jit
+def _backward_dq_inner(
+    dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base,
+    bias_base, stride_bias_m, stride_bias_n, rows, query_positions,
+    seqlen_q, seqlen_k, qk_scale, bias_scalar, block_start, block_end,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POSITION: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for block in range(block_start, block_end):
+        keys = block * BLOCK_N + offs_n
+        if APPLY_MASK:
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+        else:
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :])
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        scores = _score_bias(
+            scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
+        )
+        if APPLY_MASK:
+            visible = keys[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= query_positions[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        p = tl.math.exp2(scores - lse[:, None])
+        if HAS_PADDING:
+            keep = tl.load(mask_base + keys, mask=keys < seqlen_k, other=0) != 0
+            p = tl.where(keep[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attention_backward_dq_kernel(
+    Q, K, V, GradOut, Lse, Delta, DQ,
+    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_gb, stride_gh, stride_gm,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_lse_b, stride_lse_h,
+    stride_mask_b,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    num_heads, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    POSITION: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """dq of one query block, looping over the key blocks (no atomics: dq is written once)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start, seqlen_q, k_start, seqlen_k = _program_coordinates(
+        CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_positions = rows + query_offset
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    in_rows = rows < seqlen_q
+    q = tl.load(Q + batch64 * stride_qb + head64 * stride_qh + (q_start + rows[:, None]) * stride_qm + offs_d[None, :],
+                mask=in_rows[:, None], other=0.0)
+    do = tl.load(GradOut + batch64 * stride_gb + head64 * stride_gh + (q_start + rows[:, None]) * stride_gm
+                 + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    lse = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, mask=in_rows, other=float("inf"))
+    delta = tl.load(Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, mask=in_rows, other=0.0)
+    key_base = K + batch64 * stride_kb + head64 * stride_kh + k_start * stride_kn
+    value_base = V + batch64 * stride_vb + head64 * stride_vh + k_start * stride_vn
+    mask_base = KeyPaddingMask + batch64 * stride_mask_b
+    bias_base = Bias
+    bias_scalar = 0.0
+    if POSITION == POSITION_T5:
+        bias_base = Bias + head * stride_bias_h
+    elif POSITION == POSITION_ALIBI:
+        bias_scalar = tl.load(Bias + head).to(tl.float32) * LOG2E
+    elif POSITION == POSITION_BIAS:
+        bias_base = Bias + batch64 * stride_bias_b + head64 * stride_bias_h
+
+    far_left_end, far_right_start, clean_end, block_hi = _key_ranges(
+        start_m, seqlen_k, query_offset, 0, tl.cdiv(seqlen_k, BLOCK_N), BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
+    )
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if POSITION == POSITION_T5:
+        dq = _backward_dq_inner(
+            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
+            0, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            INPUT_PRECISION,
+        )
+        dq = _backward_dq_inner(
+            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+            far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
+            HAS_PADDING, INPUT_PRECISION,
+        )
+        dq = _backward_dq_inner(
+            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+            tl.load(bias_base + 2 * MAX_DISTANCE + 2), far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION,
+            BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, INPUT_PRECISION,
+        )
+    else:
+        dq = _backward_dq_inner(
+            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+            0, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            INPUT_PRECISION,
+        )
+    dq = _backward_dq_inner(
+        dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+        stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+        clean_end, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        INPUT_PRECISION,
+    )
+    dq_base = DQ + batch64 * stride_dqb + head64 * stride_dqh + q_start * stride_dqm
+    tl.store(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=in_rows[:, None])

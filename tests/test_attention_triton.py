@@ -1,0 +1,345 @@
+"""The Triton attention kernels against an fp32 PyTorch truth, on tiny shapes (TRITON_INTERPRET=1 on CPU).
+
+The truth is written here, independently of fat5's reference: the scores are materialised with the T5 bias built
+from transformers' own ``T5Attention._relative_position_bucket``.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from fat5.kernels import attention_triton
+from fat5.kernels.attention import attention, attention_varlen
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def hf_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    return T5Attention._relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance)
+
+
+def truth(query, key, value, *, scale=1.0, causal=False, key_padding_mask=None, query_offset=0,
+          position_encoding="none", table=None, bidirectional=True, num_buckets=32, max_distance=128,
+          slopes=None, bias=None):
+    """fp32 attention with every score materialised: the definition the kernels must reproduce."""
+    query, key, value = query.float(), key.float(), value.float()
+    query_length, key_length = query.shape[-2], key.shape[-2]
+    scores = scale * query @ key.transpose(-1, -2)
+    relative = torch.arange(key_length, device=query.device)[None, :] - (
+        torch.arange(query_length, device=query.device)[:, None] + query_offset
+    )
+    if position_encoding == "t5":
+        scores = scores + table.float()[hf_bucket(relative, bidirectional, num_buckets, max_distance)].permute(2, 0, 1)
+    elif position_encoding == "alibi":
+        scores = scores - slopes.float()[:, None, None] * relative.abs().float()
+    elif position_encoding == "bias":
+        scores = scores + bias.float()
+    visible = torch.ones_like(scores, dtype=torch.bool)
+    if causal:
+        visible = visible & (relative <= 0)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without a visible key give 0
+    return probabilities @ value
+
+
+def relative_error(actual, expected):
+    expected = expected.float()
+    scale = expected.norm()
+    if scale == 0:
+        return actual.float().abs().max().item()
+    return ((actual.float() - expected).norm() / scale).item()
+
+
+def make_leaf(*shape, dtype=torch.float32, transposed=False):
+    """A random leaf tensor; ``transposed`` gives (B, H, L, D) as a view of a (B, L, H, D) buffer, as models do."""
+    if transposed:
+        return torch.randn(shape[0], shape[2], shape[1], shape[3], device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+    return torch.randn(*shape, device=DEVICE, dtype=dtype).requires_grad_()
+
+
+def compare(inputs, kernel_fn, truth_fn, out_tolerance, grad_tolerance):
+    out = kernel_fn(*inputs)
+    expected = truth_fn(*inputs)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected) <= out_tolerance
+    grad_out = torch.randn_like(out)
+    differentiable = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(out, differentiable, grad_out)
+    expected_grads = torch.autograd.grad(expected, differentiable, grad_out.float())
+    for index, (grad, expected_grad) in enumerate(zip(grads, expected_grads)):
+        assert grad.shape == expected_grad.shape and grad.dtype == differentiable[index].dtype
+        assert torch.isfinite(grad).all()
+        assert relative_error(grad, expected_grad) <= grad_tolerance, f"gradient {index}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(
+    "num_buckets, max_distance", [(32, 128), (64, 256), (16, 64), (32, 64), (24, 100), (8, 9), (128, 1024), (32, 200)]
+)
+def test_t5_buckets_match_transformers_bit_for_bit(bidirectional, num_buckets, max_distance):
+    length = 2 * max_distance + 40
+    buckets, _ = attention_triton.t5_relative_buckets(
+        -length, 2 * length + 1, bidirectional, num_buckets, max_distance, DEVICE
+    )
+    relative = torch.arange(-length, length + 1, device=DEVICE)
+    expected = hf_bucket(relative, bidirectional, num_buckets, max_distance)
+    assert torch.equal(buckets.long(), expected)
+    # the kernels clamp relative positions to +-(max_distance + 1): everything beyond shares that bucket
+    clamped = relative.clamp(-(max_distance + 1), max_distance + 1)
+    assert torch.equal(hf_bucket(clamped, bidirectional, num_buckets, max_distance), expected)
+
+
+@pytest.mark.parametrize("position_encoding", ["none", "t5", "alibi", "bias"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_encoding_with_padding_and_offset(position_encoding, causal):
+    torch.manual_seed(0)
+    batch, heads, query_length, key_length, head_dim = 2, 2, 37, 45, 16
+    query, key, value = (make_leaf(batch, heads, n, head_dim) for n in (query_length, key_length, key_length))
+    table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
+    slopes = torch.rand(heads, device=DEVICE)
+    bias = torch.randn(1, heads, query_length, key_length, device=DEVICE, requires_grad=True)
+    mask = torch.rand(batch, key_length, device=DEVICE) > 0.25
+    options = {"scale": 0.3, "causal": causal, "key_padding_mask": mask, "query_offset": 5, "num_buckets": 8, "max_distance": 9}
+    position = {"t5": table, "bias": bias}.get(position_encoding)
+    inputs = (query, key, value) + ((position,) if position is not None else ())
+
+    def kernel(q, k, v, *position_tensor):
+        return attention(q, k, v, position_encoding=position_encoding, relative_attention_bias=table,
+                         alibi_slopes=slopes, attn_bias=bias, backend="triton", **options)
+
+    def reference(q, k, v, *position_tensor):
+        return truth(q, k, v, position_encoding=position_encoding, table=table, slopes=slopes, bias=bias, **options)
+
+    compare(inputs, kernel, reference, 1e-4, 1e-3)
+
+
+@st.composite
+def dense_problems(draw):
+    position_encoding = draw(st.sampled_from(["none", "t5", "t5", "alibi", "bias"]))
+    heads = draw(st.integers(1, 2))
+    query_length, key_length = draw(st.integers(1, 40)), draw(st.integers(1, 48))
+    bias_shape = draw(st.sampled_from([(1, heads, query_length, key_length), (query_length, key_length),
+                                       (2, 1, query_length, key_length)]))
+    return {
+        "position_encoding": position_encoding,
+        "batch": 2 if bias_shape[0] == 2 else draw(st.integers(1, 2)),
+        "heads": heads,
+        "query_length": query_length,
+        "key_length": key_length,
+        "head_dim": draw(st.sampled_from([16, 32, 24])),
+        "causal": draw(st.booleans()),
+        "query_offset": draw(st.sampled_from([0, 0, 3, key_length - query_length, -2])),
+        "padding": draw(st.booleans()),
+        "bidirectional": draw(st.booleans()),
+        "max_distance": draw(st.integers(5, 24)),
+        "bias_shape": bias_shape,
+        "transposed": draw(st.booleans()),
+        "scale": draw(st.sampled_from([1.0, 0.25])),
+    }
+
+
+@HYPOTHESIS
+@given(problem=dense_problems())
+def test_dense_random_shapes(problem):
+    torch.manual_seed(1)
+    p = problem
+    query = make_leaf(p["batch"], p["heads"], p["query_length"], p["head_dim"], transposed=p["transposed"])
+    key, value = (make_leaf(p["batch"], p["heads"], p["key_length"], p["head_dim"], transposed=p["transposed"])
+                  for _ in range(2))
+    table = torch.randn(8, p["heads"], device=DEVICE, requires_grad=True)
+    slopes = torch.rand(p["heads"], device=DEVICE)
+    bias = torch.randn(p["bias_shape"], device=DEVICE, requires_grad=True)
+    mask = (torch.rand(p["batch"], p["key_length"], device=DEVICE) > 0.3) if p["padding"] else None
+    options = {"scale": p["scale"], "causal": p["causal"], "key_padding_mask": mask, "query_offset": p["query_offset"],
+                   "bidirectional": p["bidirectional"], "num_buckets": 8, "max_distance": p["max_distance"]}
+    position = {"t5": table, "bias": bias}.get(p["position_encoding"])
+    inputs = (query, key, value) + ((position,) if position is not None else ())
+
+    def kernel(q, k, v, *position_tensor):
+        return attention(q, k, v, position_encoding=p["position_encoding"], relative_attention_bias=table,
+                         alibi_slopes=slopes, attn_bias=bias, backend="triton", **options)
+
+    def reference(q, k, v, *position_tensor):
+        return truth(q, k, v, position_encoding=p["position_encoding"], table=table, slopes=slopes, bias=bias,
+                     **options)
+
+    compare(inputs, kernel, reference, 1e-4, 1e-3)
+
+
+@HYPOTHESIS
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 34)), min_size=1, max_size=4),
+    position_encoding=st.sampled_from(["none", "t5", "alibi", "bias"]),
+    causal=st.booleans(),
+    query_offset=st.sampled_from([0, 2]),
+    bidirectional=st.booleans(),
+)
+def test_varlen_random_segments(lengths, position_encoding, causal, query_offset, bidirectional):
+    torch.manual_seed(2)
+    heads, head_dim = 2, 16
+    query_lengths, key_lengths = [q for q, _ in lengths], [k for _, k in lengths]
+    max_q, max_k = max(max(query_lengths), 1), max(key_lengths)
+    cu_q = torch.tensor([0] + list(torch.tensor(query_lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(key_lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    query = make_leaf(sum(query_lengths), heads, head_dim)
+    key, value = make_leaf(sum(key_lengths), heads, head_dim), make_leaf(sum(key_lengths), heads, head_dim)
+    table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
+    slopes = torch.rand(heads, device=DEVICE)
+    bias = torch.randn(heads, max_q, max_k, device=DEVICE, requires_grad=True)
+    options = {"causal": causal, "query_offset": query_offset, "bidirectional": bidirectional, "num_buckets": 8, "max_distance": 7}
+    position = {"t5": table, "bias": bias}.get(position_encoding)
+    inputs = (query, key, value) + ((position,) if position is not None else ())
+
+    def kernel(q, k, v, *position_tensor):
+        return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, position_encoding=position_encoding,
+                                relative_attention_bias=table, alibi_slopes=slopes, attn_bias=bias, backend="triton",
+                                **options)
+
+    def reference(q, k, v, *position_tensor):
+        outputs = []
+        for segment, (query_length, key_length) in enumerate(lengths):
+            qs = q[cu_q[segment]: cu_q[segment + 1]].transpose(0, 1)[None]
+            ks = k[cu_k[segment]: cu_k[segment + 1]].transpose(0, 1)[None]
+            vs = v[cu_k[segment]: cu_k[segment + 1]].transpose(0, 1)[None]
+            outputs.append(truth(qs, ks, vs, position_encoding=position_encoding, table=table, slopes=slopes,
+                                 bias=bias[:, :query_length, :key_length], **options)[0].transpose(0, 1))
+        return torch.cat(outputs)
+
+    if sum(query_lengths) == 0:
+        assert kernel(*inputs).shape == (0, heads, head_dim)
+        return
+    compare(inputs, kernel, reference, 1e-4, 1e-3)
+
+
+class _Spy:
+    """Records the launches of a Triton kernel (to prove that a code path ran)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("query_length", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
+    """One or a few queries against a long cache: the keys are split over programs and the partials merged."""
+    spy = _Spy(attention_triton._split_combine_kernel)
+    monkeypatch.setattr(attention_triton, "_split_combine_kernel", spy)
+    monkeypatch.setattr(attention_triton, "_multiprocessors", lambda device: 16)
+    torch.manual_seed(3)
+    batch, heads, cache, head_dim = 1, 2, 150, 32
+    query = make_leaf(batch, heads, query_length, head_dim, dtype=dtype)
+    key, value = make_leaf(batch, heads, cache, head_dim, dtype=dtype), make_leaf(batch, heads, cache, head_dim, dtype=dtype)
+    table = torch.randn(32, heads, device=DEVICE, requires_grad=True)
+    mask = torch.ones(batch, cache, dtype=torch.bool, device=DEVICE)
+    mask[:, 20:90] = False  # whole splits see only padding
+    options = {"causal": True, "query_offset": cache - query_length, "key_padding_mask": mask, "bidirectional": False,
+                   "num_buckets": 32, "max_distance": 20}
+
+    def kernel(q, k, v, t):
+        return attention(q, k, v, position_encoding="t5", relative_attention_bias=t, backend="triton", **options)
+
+    def reference(q, k, v, t):
+        return truth(q, k, v, position_encoding="t5", table=t, **options)
+
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-3
+    compare((query, key, value, table), kernel, reference, tolerance, 10 * tolerance)
+    assert spy.grids and spy.grids[0][0] == batch * heads
+
+
+def test_rows_without_visible_keys_give_zeros():
+    torch.manual_seed(4)
+    query, key, value = make_leaf(2, 2, 20, 16), make_leaf(2, 2, 25, 16), make_leaf(2, 2, 25, 16)
+    mask = torch.ones(2, 25, dtype=torch.bool, device=DEVICE)
+    mask[1] = False
+    out = attention(query, key, value, causal=True, query_offset=-5, key_padding_mask=mask, backend="triton")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0, :, :5], torch.zeros_like(out[0, :, :5]))  # positions -5..-1 precede every key
+    grads = torch.autograd.grad(out.sum(), (query, key, value))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_table_gradient_is_deterministic():
+    torch.manual_seed(5)
+    query, key, value = make_leaf(2, 2, 40, 16), make_leaf(2, 2, 40, 16), make_leaf(2, 2, 40, 16)
+    table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        out = attention(query, key, value, position_encoding="t5", relative_attention_bias=table, num_buckets=8,
+                        max_distance=6, backend="triton")
+        grads.append(torch.autograd.grad(out.square().sum(), table)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_torch_compile_fullgraph_traces_through_attention():
+    torch.manual_seed(6)
+    query, key, value = make_leaf(1, 2, 24, 16), make_leaf(1, 2, 24, 16), make_leaf(1, 2, 24, 16)
+    table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
+
+    def step(q, k, v, t):
+        out = attention(q, k, v, position_encoding="t5", relative_attention_bias=t, num_buckets=8, max_distance=6,
+                        causal=True, backend="triton")
+        return (out * out).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    loss = compiled(query, key, value, table)
+    grads = torch.autograd.grad(loss, (query, key, value, table))
+    expected_loss = step(query, key, value, table)
+    expected_grads = torch.autograd.grad(expected_loss, (query, key, value, table))
+    assert torch.allclose(loss, expected_loss, rtol=1e-5)
+    for grad, expected in zip(grads, expected_grads):
+        assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(7)
+    query, key, value = (torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
+    arguments = (query, key, value, None, table, None, None, 20, 20, 1.0, True, 0, "t5", True, 8, 6)
+    torch.library.opcheck(attention_triton.attention_forward_op, arguments,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize(
+    "arguments, error",
+    [
+        ({"dropout_p": 0.1}, ValueError),
+        ({"position_encoding": "t5", "relative_attention_bias": torch.zeros(8, 3)}, ValueError),
+        ({"position_encoding": "t5", "relative_attention_bias": torch.zeros(4, 2), "num_buckets": 4, "max_distance": 1},
+         ValueError),
+        ({"position_encoding": "alibi", "alibi_slopes": torch.zeros(3)}, ValueError),
+        ({"position_encoding": "bias", "attn_bias": torch.zeros(3, 1, 1)}, ValueError),
+        ({"key_padding_mask": torch.ones(1, 8)}, TypeError),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(arguments, error):
+    query = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(error):
+        attention(query, query, query, backend="triton", **arguments)
+
+
+def test_unsupported_dtype_and_head_dim():
+    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):
+        attention(*(torch.zeros(1, 1, 4, 16, dtype=torch.float64, device=DEVICE),) * 3, backend="triton")
+    with pytest.raises(ValueError, match="head_dim up to"):
+        attention(*(torch.zeros(1, 1, 4, 320, device=DEVICE),) * 3, backend="triton")
+
+
+def test_head_dim_is_padded_to_the_kernel_width():
+    torch.manual_seed(8)
+    query, key, value = make_leaf(1, 2, 19, 8), make_leaf(1, 2, 23, 8), make_leaf(1, 2, 23, 8)
+    compare((query, key, value), lambda q, k, v: attention(q, k, v, scale=1 / math.sqrt(8), backend="triton"),
+            lambda q, k, v: truth(q, k, v, scale=1 / math.sqrt(8)), 1e-4, 1e-3)
