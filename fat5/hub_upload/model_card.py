@@ -1,0 +1,132 @@
+"""The README.md model card of a bundled FAT5 folder, written with huggingface_hub's ModelCard / ModelCardData."""
+
+from huggingface_hub import ModelCard, ModelCardData
+
+PIPELINE_TAGS = {
+    "FAT5ForConditionalGeneration": "text2text-generation",
+    "FAT5Model": "feature-extraction",
+    "FAT5EncoderModel": "feature-extraction",
+    "FAT5ForSequenceClassification": "text-classification",
+    "FAT5ForTokenClassification": "token-classification",
+    "FAT5ForQuestionAnswering": "question-answering",
+}
+AUTO_CLASS_FOR = {
+    "FAT5ForConditionalGeneration": "AutoModelForSeq2SeqLM",
+    "FAT5Model": "AutoModel",
+    "FAT5EncoderModel": "AutoModel",
+    "FAT5ForSequenceClassification": "AutoModelForSequenceClassification",
+    "FAT5ForTokenClassification": "AutoModelForTokenClassification",
+    "FAT5ForQuestionAnswering": "AutoModelForQuestionAnswering",
+}
+FAMILY_TAGS = {"t5": "t5", "mt5": "mt5", "umt5": "umt5"}
+
+
+def _check_section(report: dict) -> str:
+    verification = report.get("verification")
+    if not verification:
+        return (
+            "This model was converted without the numerical check (`--no-verify`): its outputs were not compared "
+            "with transformers'.\n"
+        )
+    rows = [
+        f"| {name.removesuffix('_relative_error').replace('_', ' ')} | {value:.2e} |"
+        for name, value in verification.items()
+        if name.endswith("_relative_error")
+    ]
+    notes = "".join(f"\n- {note}" for note in report.get("notes", []))
+    return (
+        f"`fat5 convert` ran `{verification['reference']}` on the source checkpoint and this FAT5 model on the same "
+        f"random batch with padding ({verification.get('compute_dtype', 'float32')}, CPU) and wrote the model only "
+        f"because their outputs agreed within a relative error of {verification['tolerance']:g} "
+        f"(‖FAT5 − transformers‖ / ‖transformers‖ over the non-padded positions):\n\n"
+        "| output | relative error |\n|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Weights stored in {report.get('dtype', 'their source dtype')}; checked with transformers "
+        f"{report.get('transformers_version', '?')} and torch {report.get('torch_version', '?')} on "
+        f"{report.get('date', '?')}.{notes}\n"
+    )
+
+
+def build_model_card(
+    config: dict,
+    *,
+    architecture: str,
+    report: dict | None = None,
+    repo_id: str | None = None,
+    license: str | None = None,
+    base_model: str | None = None,
+) -> ModelCard:
+    """A model card for a bundled FAT5 folder with `config` (its config.json) and `architecture`.
+
+    `report` is the conversion report (`fat5_conversion.json`) when the model was converted: it gives the base
+    model (its Hub id), the licence and the check's figures unless `base_model` / `license` are passed.
+    """
+    report = report or {}
+    base_model = base_model or report.get("repo_id")
+    license = license or report.get("license")
+    family = report.get("source_model_type")
+    tags = ["fat5", "flash-attention", "triton", "remote-code"] + (
+        [FAMILY_TAGS[family]] if family in FAMILY_TAGS else []
+    )
+    pipeline_tag = PIPELINE_TAGS.get(architecture, "text2text-generation")
+    card_data = ModelCardData(
+        license=license,
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=tags,
+    )
+    name = repo_id or "path/to/this/folder"
+    auto_class = AUTO_CLASS_FOR.get(architecture, "AutoModel")
+    title = repo_id.split("/")[-1] if repo_id else f"FAT5 {architecture}"
+    origin = (
+        f"a FAT5 conversion of [{base_model}](https://huggingface.co/{base_model})"
+        if base_model
+        else ("a FAT5 conversion of a " + report["source_architecture"] + " checkpoint" if report else "a FAT5 model")
+    )
+    usage_inputs = (
+        'inputs = tokenizer("translate English to German: The house is wonderful.", return_tensors="pt")\n'
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0], skip_special_tokens=True))"
+        if auto_class == "AutoModelForSeq2SeqLM"
+        else 'outputs = model(**tokenizer("A sentence to encode.", return_tensors="pt"))'
+    )
+    sizes = (
+        f"d_model {config.get('d_model')}, {config.get('num_layers')} encoder / {config.get('num_decoder_layers')} "
+        f"decoder layers, {config.get('num_heads')} heads of {config.get('d_kv')}, feed-forward {config.get('d_ff')} "
+        f"({config.get('feed_forward_proj')}), vocabulary {config.get('vocab_size')}, position encoding "
+        f"`{config.get('position_encoding')}`"
+        + (" (a bias table in every layer)" if config.get("position_bias_per_layer") else "")
+    )
+    export = (
+        ", and `fat5 export-hf` writes the model back as a plain transformers T5 checkpoint"
+        if config.get("position_encoding") == "t5" and config.get("attention_scale", 1.0) == 1.0
+        else ""
+    )
+    body = f"""
+# {title}
+
+This is {origin}. FAT5 (Flash Attention T5) runs T5's attention in fused Triton kernels that add the relative
+position bias inside the kernel, so memory grows linearly with sequence length, with fused RMSNorm and
+cross-entropy; on a CPU, or without Triton, it runs the same model in plain PyTorch.
+
+Architecture: {sizes}.
+
+## How to load
+
+The modelling code ships with the weights, so only `transformers` and `torch` are needed (`triton` for the fused
+kernels on a GPU):
+
+```python
+from transformers import AutoTokenizer, {auto_class}
+
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
+{usage_inputs}
+```
+
+With the `fat5` package installed, `import fat5` registers the same classes with transformers' Auto classes{export}.
+
+## Conversion check
+
+{_check_section(report) if report else "No conversion report: this model was not produced by `fat5 convert`."}
+"""
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")

@@ -1,0 +1,147 @@
+"""Upload a bundled FAT5 folder to the Hub, after proving it loads.
+
+The folder is checked before anything is sent: its files (config with `auto_map`, the remote code it names,
+weights), then a fresh Python process that cannot import fat5 or triton loads it with `trust_remote_code=True`,
+runs a forward and generates. Only then `create_repo(exist_ok=True)` and `upload_folder`.
+"""
+
+import json
+from pathlib import Path
+
+from fat5.errors import FAT5Error
+
+DEFAULT_COMMIT_MESSAGE = "Upload FAT5 model with `fat5 push`"
+IGNORE_PATTERNS = ["**/__pycache__/**", "*.pyc", ".*"]
+
+
+class PushError(FAT5Error):
+    """A folder that must not be uploaded, a missing token, or a Hub that refused or could not be reached."""
+
+
+def resolve_token(token: str | None = None) -> str:
+    """`token`, else huggingface_hub's usual sources (HF_TOKEN, the token saved by `hf auth login`)."""
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise PushError(
+            "no Hugging Face token: log in with `hf auth login` (or set HF_TOKEN to a token with write access)"
+        )
+    return token
+
+
+def check_folder_files(folder: Path) -> dict:
+    """The static checks of a bundle: config.json with a FAT5 model_type and an auto_map whose code files are there,
+    weights in safetensors. Returns the config; raises `PushError` naming what is wrong."""
+    if not folder.is_dir():
+        raise PushError(f"{folder}: no such folder")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise PushError(f"{folder} has no config.json: bundle a model first (`fat5 bundle MODEL_DIR OUT`)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PushError(f"{config_path} is not valid JSON: {error}") from None
+    if config.get("model_type") != "fat5":
+        raise PushError(f"{folder} holds a {config.get('model_type')!r} model, not a FAT5 bundle")
+    auto_map = config.get("auto_map") or {}
+    for required in ("AutoConfig", "AutoModel"):
+        if required not in auto_map:
+            raise PushError(
+                f"{config_path} has no auto_map entry for {required}: it would not load with trust_remote_code=True "
+                "(bundle it with `fat5 bundle`)"
+            )
+    missing_code = sorted({ref.split(".")[0] + ".py" for ref in auto_map.values()} - {p.name for p in folder.iterdir()})
+    if missing_code:
+        raise PushError(f"{folder} lacks the remote-code files its auto_map names: {missing_code}")
+    if not any(folder.glob("*.safetensors")):
+        raise PushError(f"{folder} holds no safetensors weights")
+    return config
+
+
+def _repo_url(endpoint: str, repo_id: str, revision: str | None) -> str:
+    url = f"{endpoint.rstrip('/')}/{repo_id}"
+    return f"{url}/tree/{revision}" if revision else url
+
+
+def _http_error_message(error, repo_id: str) -> str:
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    hint = {
+        401: "the token is invalid or expired: log in again with `hf auth login`",
+        403: f"the token may not write to {repo_id} (it needs write access to that namespace)",
+        404: f"{repo_id} or its revision was not found",
+    }.get(status, "")
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"the Hub refused the upload to {repo_id} (HTTP {status}): {detail}" + (f"; {hint}" if hint else "")
+
+
+def push(
+    folder,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+    token: str | None = None,
+    validate: bool = True,
+) -> str:
+    """Upload the bundled FAT5 `folder` to the Hub model repo `repo_id` and return the repo's URL.
+
+    The folder is validated first (files, then a load with `trust_remote_code=True`, a forward and `generate` in
+    a fresh process without fat5 or triton); an invalid folder is never uploaded. The token comes from `token` or
+    huggingface_hub's usual sources. The repo is created if needed (`private` applies to a new repo only);
+    `revision` is a branch, created from the default branch if it does not exist. `dry_run` validates and reports
+    what would be uploaded, contacting nothing. The endpoint is huggingface_hub's (`HF_ENDPOINT`).
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from .bundle import BundleError, validate_bundle
+
+    folder = Path(folder).expanduser().absolute()
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise PushError(f"{repo_id!r} is not a valid Hub repo id: {error}") from None
+    check_folder_files(folder)
+    token = None if dry_run else resolve_token(token)
+    if validate:
+        try:
+            validate_bundle(folder, compare_with_package=False)
+        except BundleError as error:
+            raise PushError(f"refusing to upload {folder}: {error}") from None
+    endpoint = constants.ENDPOINT
+    url = _repo_url(endpoint, repo_id, revision)
+    if dry_run:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        size = sum(p.stat().st_size for p in files)
+        print(f"dry run: would upload {len(files)} files ({size / 1e6:.1f} MB) to {url}:")
+        for path in files:
+            print(f"  {path.relative_to(folder)}")
+        return url
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+            ignore_patterns=list(IGNORE_PATTERNS),
+        )
+    except HfHubHTTPError as error:
+        raise PushError(_http_error_message(error, repo_id)) from None
+    except (OSError, ValueError, RuntimeError) as error:
+        raise PushError(
+            f"could not upload to the Hub at {endpoint} ({type(error).__name__}: {error}); check the network or HF_ENDPOINT"
+        ) from None
+    except Exception as error:  # noqa: BLE001  (the HTTP stack's own connection and timeout errors)
+        raise PushError(f"could not reach the Hub at {endpoint} ({type(error).__name__}: {error})") from None
+    print(f"uploaded {folder} to {url}")
+    return url

@@ -1,0 +1,319 @@
+"""Bundled FAT5 folders: flat remote code that loads with trust_remote_code=True where fat5 cannot be imported.
+
+The load checks run in fresh `python -I` processes with their own blockers (written here, independent of the
+bundle's own validation), and compare against the in-package model.
+"""
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from test_conversion import TINY, make_checkpoint, padded_batch
+
+import fat5
+from fat5 import FAT5ForConditionalGeneration, FAT5Model
+from fat5.conversion import convert
+from fat5.hub_upload import BundleError, add_hub_commands, bundle, flatten_remote_code
+
+bundle_module = sys.modules["fat5.hub_upload.bundle"]
+
+REQUIRED_AUTO_MAP = {
+    "AutoConfig": "configuration_fat5.FAT5Config",
+    "AutoModel": "modeling_fat5.FAT5Model",
+    "AutoModelForSeq2SeqLM": "modeling_fat5.FAT5ForConditionalGeneration",
+    "AutoModelForSequenceClassification": "modeling_fat5.FAT5ForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_fat5.FAT5ForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_fat5.FAT5ForQuestionAnswering",
+}
+
+
+def run_isolated(script: str, *args, tmp: Path) -> subprocess.CompletedProcess:
+    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return subprocess.run(
+        [sys.executable, "-I", "-c", script, *map(str, args)],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def converted_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    source = make_checkpoint(root / "src", "flan-t5")
+    (source / "spiece.model").write_bytes(b"tokenizer bytes")
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    convert(source, root / "converted")
+    return root / "converted"
+
+
+@pytest.fixture(scope="module")
+def bundled(converted_dir):
+    out = converted_dir.parent / "bundle"
+    result = bundle(
+        converted_dir, out, repo_id="someone/fat5-tiny", license="apache-2.0", base_model="google/flan-t5-small"
+    )
+    return out, result
+
+
+def test_bundle_layout_and_card(bundled, converted_dir):
+    out, result = bundled
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "fat5_conversion.json"} <= names
+    assert {"spiece.model", "tokenizer_config.json"} <= names
+    expected_code = {"configuration_fat5.py", "modeling_fat5.py"} | {
+        p.name for p in (Path(fat5.__file__).parent / "kernels").glob("*.py") if p.name != "__init__.py"
+    }
+    assert {n for n in names if n.endswith(".py")} == expected_code
+    config = json.loads((out / "config.json").read_text())
+    assert REQUIRED_AUTO_MAP.items() <= config["auto_map"].items()
+    assert result.validation["AutoModelForSeq2SeqLM_relative_error"] <= 1e-5 and result.validation["generate_equal"]
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text2text-generation"
+    assert card.data.base_model == "google/flan-t5-small"
+    assert card.data.license == "apache-2.0"
+    assert "fat5" in card.data.tags
+    assert 'AutoModelForSeq2SeqLM.from_pretrained("someone/fat5-tiny", trust_remote_code=True)' in card.text
+    report = json.loads((converted_dir / "fat5_conversion.json").read_text())
+    assert f"| logits | {report['verification']['logits_relative_error']:.2e} |" in card.text
+
+
+def test_flat_code_is_self_contained(bundled):
+    """Independent of the bundler's own check: no file imports fat5, every relative import names a bundled sibling."""
+    out, _ = bundled
+    siblings = {p.stem for p in out.glob("*.py")}
+    for path in out.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] != "fat5" for a in node.names), path.name
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level in (0, 1), (path.name, node.lineno)
+                if node.level == 0:
+                    assert (node.module or "").split(".")[0] != "fat5", path.name
+                else:
+                    targets = [node.module] if node.module else [a.name for a in node.names]
+                    assert set(targets) <= siblings, (path.name, node.lineno, targets)
+
+
+LOAD_WITHOUT_FAT5 = r"""
+import importlib.abc, sys
+
+class BlockFat5(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fat5" or name.startswith("fat5."):
+            raise ImportError(f"fat5 is blocked in this process ({name})")
+        return None
+
+sys.meta_path.insert(0, BlockFat5())
+try:
+    import fat5
+except ImportError:
+    pass
+else:
+    raise SystemExit("fat5 could be imported")
+import torch, transformers
+
+folder, batch_file, out_file = sys.argv[1:4]
+batch = torch.load(batch_file)
+seq2seq = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+base = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+prompt = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "max_new_tokens": 5}
+with torch.no_grad():
+    results = {
+        "logits": seq2seq.eval()(**batch).logits,
+        "hidden": base.eval()(**batch).last_hidden_state,
+        "greedy": seq2seq.generate(**prompt, do_sample=False),
+        "beam": seq2seq.generate(**prompt, do_sample=False, num_beams=2),
+        "modules": [type(seq2seq).__module__, type(base).__module__],
+        "fat5_loaded": sorted(m for m in sys.modules if m.split(".")[0] == "fat5"),
+    }
+torch.save(results, out_file)
+"""
+
+
+def test_bundle_loads_without_fat5(bundled, tmp_path):
+    out, _ = bundled
+    batch = padded_batch(TINY["vocab_size"], seed=5)
+    torch.save(batch, tmp_path / "batch.pt")
+    completed = run_isolated(LOAD_WITHOUT_FAT5, out, tmp_path / "batch.pt", tmp_path / "out.pt", tmp=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert all(module.startswith("transformers_modules.") for module in remote["modules"])
+    assert remote["fat5_loaded"] == []
+
+    local = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    local_base = FAT5Model.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "max_new_tokens": 5}
+    with torch.no_grad():
+        keep = batch["decoder_attention_mask"].bool()
+        torch.testing.assert_close(remote["logits"][keep], local(**batch).logits[keep], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            remote["hidden"][keep], local_base(**batch).last_hidden_state[keep], rtol=1e-5, atol=1e-6
+        )
+        assert torch.equal(remote["greedy"], local.generate(**prompt, do_sample=False))
+        assert torch.equal(remote["beam"], local.generate(**prompt, do_sample=False, num_beams=2))
+
+
+CHECK_IMPORTS_WITHOUT_TRITON = r"""
+import glob, os, sys
+sys.modules["triton"] = None  # `import triton` fails and find_spec answers None: as if it were not installed
+import torch, transformers
+from transformers.dynamic_module_utils import check_imports
+
+folder, scratch = sys.argv[1:3]
+for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+    check_imports(path)
+control = os.path.join(scratch, "control.py")
+with open(control, "w") as handle:
+    handle.write("import torch\nimport triton\n")
+try:
+    check_imports(control)
+except ImportError:
+    pass
+else:
+    raise SystemExit("negative control: an unguarded `import triton` passed check_imports")
+model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True)
+print("ok", type(model).__name__)
+"""
+
+
+def test_flat_code_passes_check_imports_without_triton(bundled, tmp_path):
+    out, _ = bundled
+    completed = run_isolated(CHECK_IMPORTS_WITHOUT_TRITON, out, tmp_path, tmp=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "ok FAT5ForConditionalGeneration" in completed.stdout
+
+
+def test_sharded_bundle(converted_dir, tmp_path):
+    result = bundle(converted_dir, tmp_path / "sharded", max_shard_size="20KB", validate=False)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and shards <= set(result.files)
+    batch = padded_batch(TINY["vocab_size"])
+    with torch.no_grad():
+        expected = FAT5ForConditionalGeneration.from_pretrained(converted_dir).eval()(**batch).logits
+        actual = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "sharded").eval()(**batch).logits
+    assert torch.equal(actual, expected)
+
+
+def test_encoder_bundle_auto_map(tmp_path):
+    source = make_checkpoint(tmp_path / "src", "t5", suffix="EncoderModel")
+    convert(source, tmp_path / "converted")
+    result = bundle(tmp_path / "converted", tmp_path / "out", validate=False)
+    assert result.auto_map["AutoModel"] == "modeling_fat5.FAT5EncoderModel"
+    assert "AutoModelForSeq2SeqLM" not in result.auto_map
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.pipeline_tag == "feature-extraction"
+
+
+def _leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def test_bundle_refuses_a_transformers_folder(tmp_path):
+    source = make_checkpoint(tmp_path / "src", "t5")
+    with pytest.raises(BundleError, match="convert it first"):
+        bundle(source, tmp_path / "out")
+    assert _leftovers(tmp_path / "out") == []
+
+
+def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypatch):
+    flat = flatten_remote_code()
+    flat["modeling_fat5.py"] += "\nraise RuntimeError('deliberately broken remote code')\n"
+    monkeypatch.setattr(bundle_module, "flatten_remote_code", lambda: flat)
+    with pytest.raises(BundleError, match="deliberately broken remote code"):
+        bundle(converted_dir, tmp_path / "out")
+    assert _leftovers(tmp_path / "out") == []
+
+
+# --------------------------------------------------------------------------------------------- flattening
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+FAKE_PACKAGE = {
+    "configuration_fat5.py": "class FAT5Config:\n    value = 3\n",
+    "modeling_fat5.py": (
+        "from .configuration_fat5 import FAT5Config\n"
+        "from .kernels.attention import attend\n"
+        "from .kernels import dispatch as chooser\n\n\n"
+        "class FAT5Model:\n    pass\n\n\n"
+        "def run():\n    return attend(FAT5Config.value) + chooser.pick()\n"
+    ),
+    "kernels/__init__.py": "",
+    "kernels/dispatch.py": "def pick():\n    return 10\n",
+    "kernels/helper.py": "def double(x):\n    return 2 * x\n",
+    "kernels/attention.py": (
+        "from .dispatch import pick\n"
+        "from ..configuration_fat5 import FAT5Config\n\n\n"
+        "def attend(x):\n"
+        "    try:\n"
+        "        from . import helper as _helper\n"
+        "    except ImportError:\n"
+        "        _helper = None\n"
+        "    return _helper.double(x) + pick() + FAT5Config.value\n"
+    ),
+}
+
+
+def test_flatten_rewrites_relative_imports_and_the_result_runs(tmp_path):
+    flat = flatten_remote_code(_write_package(tmp_path / "fat5", FAKE_PACKAGE))
+    assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "dispatch.py", "helper.py", "attention.py"}
+    assert "from .attention import attend" in flat["modeling_fat5.py"]
+    assert "from .dispatch import pick" in flat["attention.py"]
+    assert "from .configuration_fat5 import FAT5Config" in flat["attention.py"]
+    assert "        from .helper import __name__" in flat["attention.py"]  # visible to transformers, inside the try
+    # the flat files work as a package of siblings: attend(3) = 2 * 3 + 10 + 3, plus pick() = 10
+    flat_package = tmp_path / "flat" / "flatpkg"
+    _write_package(flat_package, {**flat, "__init__.py": ""})
+    sys.path.insert(0, str(tmp_path / "flat"))
+    try:
+        assert importlib.import_module("flatpkg.modeling_fat5").run() == 29
+    finally:
+        sys.path.remove(str(tmp_path / "flat"))
+        for name in [m for m in sys.modules if m.split(".")[0] == "flatpkg"]:
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    "file, text, message",
+    [
+        ("kernels/helper.py", "import fat5.trainer\n", "imports fat5.trainer absolutely"),
+        ("kernels/helper.py", "from fat5.kernels import dispatch\n", "imports fat5.kernels absolutely"),
+        ("kernels/helper.py", "from ..trainer import collate\n", "fat5.trainer .*does not ship as remote code"),
+        ("kernels/helper.py", "def f():\n    from .missing_kernel import g\n", "missing_kernel.py does not exist"),
+    ],
+)
+def test_flatten_rejects_what_cannot_ship(tmp_path, file, text, message):
+    with pytest.raises(BundleError, match=message):
+        flatten_remote_code(_write_package(tmp_path / "fat5", {**FAKE_PACKAGE, file: text}))
+
+
+def test_bundle_command_line(converted_dir, tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="fat5")
+    add_hub_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bundle", str(converted_dir), str(tmp_path / "out"), "--no-validate"])
+    assert args.func(args) == 0
+    assert "auto_map" in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert str(tmp_path / "out") in capsys.readouterr().out
