@@ -61,15 +61,24 @@ def objective(max_target_length=None) -> UL2Objective:
     )
 
 
-def examples_per_second(step, examples_per_step: int, seconds: float) -> dict:
+def examples_per_second(step, examples_per_step: int, seconds: float, windows: int = 5) -> dict:
+    """Run ``step`` for ``windows`` windows of ``seconds / windows`` each; the median window is the figure (other
+    processes on a shared machine slow some windows down)."""
     step()  # warm-up
-    done = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        step()
-        done += examples_per_step
-    elapsed = time.perf_counter() - start
-    return {"examples_per_s": done / elapsed, "tokens_per_s": done * SOURCE_LENGTH / elapsed, "seconds": elapsed}
+    rates = []
+    for _ in range(windows):
+        done = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds / windows:
+            step()
+            done += examples_per_step
+        rates.append(done / (time.perf_counter() - start))
+    median = float(np.median(rates))
+    return {
+        "examples_per_s": median,
+        "tokens_per_s": median * SOURCE_LENGTH,
+        "examples_per_s_windows": [round(r, 1) for r in rates],
+    }
 
 
 def bench_collators(seconds: float, batch_size: int) -> dict:
@@ -135,13 +144,15 @@ def padding_on_shakespeare() -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="timing window per path")
+    parser.add_argument("--seconds", type=float, default=5.0, help="timing per path (5 windows)")
     parser.add_argument("--batch-size", type=int, default=64, help="examples (or packed rows) per collator call")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "collator.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    load_before = os.getloadavg()
     throughput = bench_collators(args.seconds, args.batch_size)
+    load_after = os.getloadavg()
     padding = padding_on_shakespeare()
     import datasets
     import tokenizers
@@ -152,6 +163,7 @@ def main():
         "target": ">= 5000 examples of 1024 tokens per second per core",
         "cpu": cpu_name(),
         "logical_cpus": os.cpu_count(),
+        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "python": platform.python_version(),
         "versions": {
             "numpy": np.__version__,

@@ -300,44 +300,49 @@ def num_noise_spans(
 def sorted_random_subsets(population: np.ndarray, sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """For each ``i`` a uniformly random subset of ``range(population[i])`` of ``sizes[i]`` elements.
 
-    Returns the subsets concatenated, each in increasing order. One sort of 64-bit keys (segment | random |
-    position) does all segments at once; positions in the low bits make the keys distinct, so each subset has
-    exactly its size.
+    Returns the subsets concatenated, each in increasing order. Each segment draws one uniform key per element
+    and keeps the ``sizes[i]`` smallest (a uniform subset, by symmetry); segments are laid out as rows of a
+    matrix, in groups of similar population so that little of the matrix is padding, and sorted row-wise.
     """
     population = np.asarray(population, dtype=np.int64)
     sizes = np.asarray(sizes, dtype=np.int64)
     if (sizes > population).any() or (sizes < 0).any():
         raise ValueError("each subset size must be in [0, population]")
-    active = sizes > 0
-    if not active.any():
+    active = np.flatnonzero(sizes > 0)
+    if len(active) == 0:
         return np.zeros(0, dtype=np.int64)
-    population, sizes = population[active], sizes[active]
-    position_bits = max(int(population.max() - 1).bit_length(), 1)
-    segment_bits = int(len(population) - 1).bit_length()
-    random_bits = 64 - position_bits - segment_bits
-    if random_bits < 24:
-        # Too many segments for one key: halve, each half gets more random bits.
-        half = len(population) // 2
-        return np.concatenate(
-            [
-                sorted_random_subsets(population[:half], sizes[:half], rng),
-                sorted_random_subsets(population[half:], sizes[half:], rng),
-            ]
-        )
-    total = int(population.sum())
-    segment_starts = np.cumsum(population) - population
-    position = np.arange(total, dtype=np.int64) - np.repeat(segment_starts, population)
-    keys = rng.integers(0, 1 << random_bits, size=total, dtype=np.uint64) << np.uint64(position_bits)
-    keys |= position.astype(np.uint64)
-    if segment_bits:
-        segment = np.repeat(np.arange(len(population), dtype=np.uint64), population)
-        keys |= segment << np.uint64(64 - segment_bits)
-    keys.sort()
-    # After the sort each segment keeps its block; its first `size` keys are a uniform random subset.
-    chosen = keys[position < np.repeat(sizes, population)] & np.uint64((1 << position_bits) - 1)
-    flags = np.zeros(total, dtype=bool)
-    flags[np.repeat(segment_starts, sizes) + chosen.astype(np.int64)] = True
-    return position[flags]
+    active = active[np.argsort(population[active], kind="stable")]
+    segments, values = [], []
+    for group in np.array_split(active, -(-len(active) // _SUBSET_ROWS_PER_GROUP)):
+        rows, columns = _smallest_keys(population[group], sizes[group], rng)
+        segments.append(group[rows])
+        values.append(columns)
+    segments, values = np.concatenate(segments), np.concatenate(values)
+    return values[np.lexsort((values, segments))]
+
+
+_SUBSET_ROWS_PER_GROUP = 256
+
+
+def _smallest_keys(population: np.ndarray, sizes: np.ndarray, rng: np.random.Generator):
+    """(row, column) of the ``sizes[row]`` smallest of ``population[row]`` uniform keys, for every row."""
+    width = int(population.max())
+    outside = np.arange(width) >= population[:, None]
+    rows_left = np.arange(len(population))
+    chosen_rows, chosen_columns = [], []
+    while len(rows_left):
+        keys = rng.random((len(rows_left), width), dtype=np.float32)
+        keys[outside[rows_left]] = 2.0  # past the population: never among the smallest
+        threshold = np.sort(keys, axis=1)[np.arange(len(rows_left)), sizes[rows_left] - 1]
+        selected = keys <= threshold[:, None]
+        # float32 keys can tie at the threshold; such a row selects too many and draws again (rare, and
+        # symmetric in the elements, so the accepted subsets stay uniform).
+        exact = selected.sum(axis=1) == sizes[rows_left]
+        rows, columns = np.nonzero(selected[exact])
+        chosen_rows.append(rows_left[exact][rows])
+        chosen_columns.append(columns)
+        rows_left = rows_left[~exact]
+    return np.concatenate(chosen_rows), np.concatenate(chosen_columns).astype(np.int64)
 
 
 def noise_span_bounds(
