@@ -11,6 +11,7 @@ from transformers.models.bart.modeling_bart import shift_tokens_right
 from fat5.trainer.collator import UL2DataCollator
 from fat5.trainer.data import shakespeare_texts
 from fat5.trainer.packing import (
+    PackedStreamDataset,
     PlannedDataset,
     UL2PackedBatchSampler,
     batch_rows,
@@ -220,3 +221,25 @@ def test_mixed_planned_and_plain_features_are_refused(shakespeare_scenes):
     features = [planned[p] for p in next(iter(sampler))]
     with pytest.raises(ValueError, match="every feature or none"):
         collator([*features, {"input_ids": [7, 8, 9]}])
+
+
+def test_stream_dataset_in_a_dataloader_with_workers():
+    rng = np.random.default_rng(8)
+    sequences = [rng.integers(6, 3000, size=n) for n in rng.integers(1, 700, size=300)]
+    collator = make_collator(packed=True, max_input_length=256)
+    dataset = PackedStreamDataset(sequences, collator, rows_per_batch=4, pool_size=100, seed=2)
+    total = sum(len(s) for s in sequences)
+    for workers in (0, 2):
+        batches = list(DataLoader(dataset, batch_size=None, num_workers=workers))
+        assert all(b["input_ids"].shape[0] <= 4 and "segment_ids" in b for b in batches)
+        # Every source token is used once: inputs + targets = source + 2 per sentinel + prefix and two EOS; only
+        # tails shorter than min_length (2) are dropped, at most one token per source.
+        inputs = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+        targets = sum(int((b["labels"] != -100).sum()) for b in batches)
+        examples = sum(int(b["segment_ids"].max(dim=1).values.sum()) for b in batches)
+        sentinels = sum(int(np.isin(b["input_ids"].numpy(), SENTINELS).sum()) for b in batches)
+        dropped = total + 2 * sentinels + 3 * examples - (inputs + targets)
+        assert 0 <= dropped <= len(sequences)
+    again = list(DataLoader(dataset, batch_size=None, num_workers=0))
+    first = list(DataLoader(dataset, batch_size=None, num_workers=0))
+    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(first, again))

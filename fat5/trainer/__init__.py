@@ -21,12 +21,14 @@ _EXPORTS = {
     ],
     "packing": [
         "PlannedExample",
+        "PackedStreamDataset",
         "PlannedDataset",
         "UL2PackedBatchSampler",
         "pack_rows",
         "batch_rows",
         "plan_packed_batches",
         "packed_stream",
+        "PackedStreamDataset",
         "padding_stats",
     ],
     "collator": ["UL2DataCollator"],
@@ -53,6 +55,7 @@ __all__ = [
     "UL2_PREFIXES",
     "CorruptedBatch",
     "Denoiser",
+    "PackedStreamDataset",
     "PlannedDataset",
     "PlannedExample",
     "UL2DataCollator",
@@ -92,6 +95,7 @@ if TYPE_CHECKING:
         tokenize_dataset,
     )
     from .packing import (
+        PackedStreamDataset,
         PlannedDataset,
         PlannedExample,
         UL2PackedBatchSampler,

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .ul2 import UL2Objective, UL2Plan
 
@@ -356,3 +357,36 @@ def packed_stream(
             sub_plan = plan.select(indices)
             batch_rng = np.random.default_rng([seed, pool_index, batch_index])
             yield collator.collate_plan(pool, sub_plan, rows, batch_rng)
+
+
+class PackedStreamDataset(IterableDataset):
+    """A torch ``IterableDataset`` of packed batches from a stream of token sequences (see :func:`packed_stream`).
+
+    Load it with ``DataLoader(dataset, batch_size=None, num_workers=N)``: the batches are already collated. In a
+    worker, a `datasets` ``IterableDataset`` source shards itself across workers; any other iterable is split by
+    taking every N-th sequence. Each worker draws with its own seed.
+    """
+
+    def __init__(self, sources: Iterable, collator, **stream_kwargs):
+        self.sources = sources
+        self.collator = collator
+        self.stream_kwargs = stream_kwargs
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        sources = self.sources
+        kwargs = dict(self.stream_kwargs)
+        if info is not None:
+            if not _shards_itself(sources):
+                sources = itertools.islice(sources, info.id, None, info.num_workers)
+            kwargs["seed"] = kwargs.get("seed", 0) * 1_000_003 + info.id + 1
+        return packed_stream(sources, self.collator, **kwargs)
+
+
+def _shards_itself(sources) -> bool:
+    """True for a `datasets` IterableDataset, which splits its shards among DataLoader workers by itself."""
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(sources, datasets.IterableDataset)
