@@ -56,8 +56,9 @@ def _edit_like_the_hub(folder: Path, how: str, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         tensors["lm_head.weight"] = torch.randn(tensors["shared.weight"].shape, generator=generator)
         config["tie_word_embeddings"] = False
-    elif how == "legacy":  # original T5: no tie key (default tied), every alias stored, the unused cross-attention bias
+    elif how == "legacy":  # original T5: old class name, no tie key (tied), every alias stored, an unused bias table
         config.pop("tie_word_embeddings", None)
+        config["architectures"] = ["T5WithLMHeadModel"]
         for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
             tensors[alias] = tensors["shared.weight"].clone()
         bias = tensors["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]

@@ -317,3 +317,76 @@ def test_bundle_command_line(converted_dir, tmp_path, capsys):
     assert args.func(args) == 0
     assert "auto_map" in json.loads((tmp_path / "out" / "config.json").read_text())
     assert str(tmp_path / "out") in capsys.readouterr().out
+
+
+CUDA_REMOTE_CODE = r"""
+import importlib.abc, sys
+
+class BlockFat5(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fat5" or name.startswith("fat5."):
+            raise ImportError(f"fat5 is blocked in this process ({name})")
+        return None
+
+sys.meta_path.insert(0, BlockFat5())
+import torch, transformers
+
+folder, batch_file, out_file = sys.argv[1:4]
+batch = {k: v.cuda() for k, v in torch.load(batch_file).items()}
+results = {}
+for backend, dtype in (("triton", torch.bfloat16), ("reference", torch.float32)):
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=dtype, attention_backend=backend
+    ).cuda().eval()
+    with torch.no_grad():
+        results[backend] = model(**batch).logits.float().cpu()
+        results[backend + "_generate"] = model.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8
+        ).cpu()
+results["triton_modules"] = sorted(m for m in sys.modules if m.startswith("transformers_modules") and "triton" in m)
+torch.save(results, out_file)
+"""
+
+
+@pytest.mark.gpu
+def test_bundle_runs_its_triton_kernels_on_cuda(tmp_path):
+    """The Hub form of the code, loaded where fat5 cannot be imported, takes the Triton path on a GPU and agrees
+    with its own fp32 reference path (bf16 tolerance)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=512,
+        d_model=256,
+        d_kv=64,
+        d_ff=512,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "converted")
+    bundle(tmp_path / "converted", tmp_path / "bundle", validate=False)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([200, 131, 64])
+    mask = (torch.arange(200)[None] < lengths[:, None]).long()
+    decoder_mask = (torch.arange(40)[None] < torch.tensor([40, 17, 3])[:, None]).long()
+    batch = {
+        "input_ids": torch.randint(2, 512, (3, 200), generator=generator) * mask,
+        "attention_mask": mask,
+        "decoder_input_ids": torch.randint(2, 512, (3, 40), generator=generator) * decoder_mask,
+        "decoder_attention_mask": decoder_mask,
+    }
+    torch.save(batch, tmp_path / "batch.pt")
+    completed = run_isolated(
+        CUDA_REMOTE_CODE, tmp_path / "bundle", tmp_path / "batch.pt", tmp_path / "out.pt", tmp=tmp_path
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+    assert any(name.endswith(".attention_triton") for name in results["triton_modules"]), results["triton_modules"]
+    keep = decoder_mask.bool()
+    error = (results["triton"][keep] - results["reference"][keep]).norm() / results["reference"][keep].norm()
+    assert error <= 1e-2, error
+    assert results["triton_generate"].shape[0] == 3

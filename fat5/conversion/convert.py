@@ -89,6 +89,7 @@ class ConversionResult:
     verification: dict | None = None
     notes: list[str] = field(default_factory=list)
     repo_id: str | None = None
+    revision: str | None = None
     license: str | None = None
 
     def to_json(self) -> dict:
@@ -199,13 +200,24 @@ def map_state_dict(
 # ----------------------------------------------------------------------------------------------- T5 -> FAT5
 
 
-def _source_architecture(raw: dict, tensors: dict[str, torch.Tensor], prefix: str) -> str:
-    """The suffix (`ForConditionalGeneration`, `EncoderModel`, `Model`) of the checkpoint's transformers class."""
-    architectures = raw.get("architectures") or []
+def _architecture_suffix(architectures: list[str], prefix: str) -> str | None:
+    """The suffix (`ForConditionalGeneration`, `EncoderModel`, `Model`) of the first of `architectures` that is
+    `prefix` + a supported suffix, or None."""
     for architecture in architectures:
+        if prefix == "T5" and architecture == "T5WithLMHeadModel":  # the name of the first T5 checkpoints' class
+            return "ForConditionalGeneration"
         for suffix in ARCHITECTURE_SUFFIXES:
             if architecture == prefix + suffix:
                 return suffix
+    return None
+
+
+def _source_architecture(raw: dict, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+    """The suffix of the checkpoint's transformers class, from config.json or, without one there, the tensors."""
+    architectures = raw.get("architectures") or []
+    suffix = _architecture_suffix(architectures, prefix)
+    if suffix:
+        return suffix
     if architectures:
         supported = ", ".join(prefix + suffix for suffix in ARCHITECTURE_SUFFIXES)
         raise ConversionError(
@@ -391,6 +403,7 @@ def _convert_into(
         verification=verification,
         notes=notes,
         repo_id=resolved.repo_id,
+        revision=resolved.revision,
         license=_source_license(resolved.path),
     )
     _write_report(folder, result)
@@ -564,15 +577,7 @@ def export_hf(
     except ValueError as error:
         raise ConversionError(f"{source / 'config.json'} is not a valid FAT5Config: {error}") from None
     family = _export_family(fat5_config, source, family)
-    suffix = next(
-        (
-            s
-            for s in ARCHITECTURE_SUFFIXES
-            for a in raw.get("architectures") or ["FAT5ForConditionalGeneration"]
-            if a == "FAT5" + s
-        ),
-        None,
-    )
+    suffix = _architecture_suffix(raw.get("architectures") or ["FAT5ForConditionalGeneration"], "FAT5")
     if suffix is None:
         raise ConversionError(
             f"export-hf handles {', '.join('FAT5' + s for s in ARCHITECTURE_SUFFIXES)}; this folder holds {raw.get('architectures')}"
