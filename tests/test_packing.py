@@ -243,3 +243,28 @@ def test_stream_dataset_in_a_dataloader_with_workers():
     again = list(DataLoader(dataset, batch_size=None, num_workers=0))
     first = list(DataLoader(dataset, batch_size=None, num_workers=0))
     assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(first, again))
+
+
+def test_collator_reads_the_mixture_and_options_from_yaml(tmp_path):
+    from fat5.trainer.tokenizer import train_tokenizer as train
+
+    tokenizer = train((t for t, _ in zip(shakespeare_texts(), range(20))), vocab_size=300, num_sentinels=16)
+    config = tmp_path / "ul2.yaml"
+    config.write_text(
+        "ul2:\n  denoisers:\n    - {prefix: '[X]', r: 0.5, mu: 2.0}\n  proportions: [1.0]\n"
+        "  placement: t5\n  span_count_rounding: nearest\n"
+    )
+    collator = UL2DataCollator(tokenizer, mixture=str(config), max_input_length=64)
+    assert collator.objective.placement == "t5" and collator.objective.span_count_rounding == "nearest"
+    assert UL2DataCollator(tokenizer, mixture=str(config), placement="uniform").objective.placement == "uniform"
+    batch = collator([list(range(10, 40))])
+    assert batch["input_ids"][0, 0] == tokenizer.convert_tokens_to_ids("[X]")
+    # T5 placement: the last source token is always noise, so the input ends <extra_id_k> </s>.
+    length = int(batch["attention_mask"][0].sum())
+    assert int(batch["input_ids"][0, length - 2]) in sentinel_ids_of(tokenizer)
+
+
+def sentinel_ids_of(tokenizer):
+    from fat5.trainer.tokenizer import sentinel_token_ids
+
+    return set(sentinel_token_ids(tokenizer).tolist())

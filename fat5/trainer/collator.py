@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .packing import PlannedExample, pack_rows, round_up
-from .ul2 import CorruptedBatch, UL2Mixture, UL2Objective, UL2Plan, gather_slices
+from .ul2 import CorruptedBatch, UL2Mixture, UL2Objective, UL2Plan, gather_slices, load_ul2_config
 
 LABEL_PAD = -100
 
@@ -29,8 +29,8 @@ class UL2DataCollator:
     Args:
         tokenizer: gives sentinels (``<extra_id_i>``), mode prefixes, EOS and pad ids (or pass ``objective``).
         objective: a ready :class:`~fat5.trainer.ul2.UL2Objective` (then ``mixture`` and the lengths come from it).
-        mixture: the denoisers (a :class:`~fat5.trainer.ul2.UL2Mixture`, a config dict or a YAML path); default:
-            the FAT5 recipe.
+        mixture: the denoisers (a :class:`~fat5.trainer.ul2.UL2Mixture`, a config dict or a YAML path, whose
+            ``placement`` and ``span_count_rounding`` are used unless given here); default: the FAT5 recipe.
         max_input_length: encoder tokens per example (padded) or per row (packed).
         max_target_length: decoder tokens per example; None: no limit when padded, ``max_input_length`` per row
             when packed.
@@ -39,7 +39,7 @@ class UL2DataCollator:
         pad_to_max_length: emit widths ``max_input_length`` / ``max_target_length`` whatever the batch holds.
         seed: seed of the collator's own generator, used for examples that come without a plan (mixed with the
             DataLoader worker id, so workers draw different examples).
-        placement, span_count_rounding: see :mod:`fat5.trainer.ul2`.
+        placement, span_count_rounding: see :mod:`fat5.trainer.ul2` (default ``"uniform"``, ``"stochastic"``).
         input_key: the key of the token sequence in each feature.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"``.
 
@@ -60,8 +60,8 @@ class UL2DataCollator:
         pad_to_multiple_of: int | None = 8,
         pad_to_max_length: bool = False,
         seed: int = 0,
-        placement: str = "uniform",
-        span_count_rounding: str = "stochastic",
+        placement: str | None = None,
+        span_count_rounding: str | None = None,
         input_key: str = "input_ids",
         pad_token_id: int | None = None,
         return_tensors: str = "pt",
@@ -71,10 +71,15 @@ class UL2DataCollator:
         if objective is None:
             if tokenizer is None:
                 raise ValueError("UL2DataCollator needs a tokenizer or a UL2Objective")
+            options = {}
             if isinstance(mixture, str):
-                mixture = UL2Mixture.from_yaml(mixture)
+                options = load_ul2_config(mixture)
+                mixture = UL2Mixture.from_config(options)
             elif isinstance(mixture, Mapping):
+                options = mixture
                 mixture = UL2Mixture.from_config(mixture)
+            placement = placement or options.get("placement", "uniform")
+            span_count_rounding = span_count_rounding or options.get("span_count_rounding", "stochastic")
             if packed and max_target_length is None:
                 max_target_length = max_input_length
             objective = UL2Objective.from_tokenizer(

@@ -184,20 +184,26 @@ class UL2Mixture:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> UL2Mixture:
         """Read a YAML file holding a UL2 config (top level, or under a ``ul2:`` key)."""
-        import yaml
-
-        with open(path) as f:
-            config = yaml.safe_load(f)
-        if isinstance(config, Mapping) and "ul2" in config:
-            config = config["ul2"]
-        if not isinstance(config, Mapping):
-            raise TypeError(f"{path}: expected a mapping with 'denoisers' and 'proportions'")
-        return cls.from_config(config)
+        return cls.from_config(load_ul2_config(path))
 
     @classmethod
     def default(cls) -> UL2Mixture:
         """The FAT5 recipe: seven denoisers (R, R, S, X, X, X, X) from ``configs/ul2_default.yaml``."""
         return cls.from_yaml(DEFAULT_CONFIG_PATH)
+
+
+def load_ul2_config(path: str | os.PathLike) -> dict:
+    """The UL2 section of a YAML file (top level, or under a ``ul2:`` key): ``denoisers``, ``proportions`` and
+    optionally ``placement`` and ``span_count_rounding``."""
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if isinstance(config, Mapping) and "ul2" in config:
+        config = config["ul2"]
+    if not isinstance(config, Mapping):
+        raise TypeError(f"{path}: expected a mapping with 'denoisers' and 'proportions'")
+    return dict(config)
 
 
 @dataclass
