@@ -25,7 +25,18 @@ SHAPES = [(8192, 32128), (4096, 250112)]
 Z_LOSS = 1e-4
 TARGET_MS_32K = 0.5
 TARGET_SPEEDUP_VS_LIGER_250K = 1.5
-SWEEP = [(4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 8), (16384, 16), (32768, 16), (32768, 32)]
+SWEEP = [
+    {"block_size": 8192, "num_warps": 8},
+    {"block_size": 16384, "num_warps": 16},
+    {"block_size": 32768, "num_warps": 16},
+    {"block_size": 16384, "num_warps": 16, "eviction": True},
+    {"block_size": 16384, "num_warps": 16, "programs_per_sm": 2, "eviction": True},
+    {"block_size": 16384, "num_warps": 8, "programs_per_sm": 4, "eviction": True},
+    {"block_size": 32768, "num_warps": 16, "eviction": True},
+    {"block_size": 32768, "num_warps": 16, "programs_per_sm": 1, "eviction": True},
+    {"block_size": 32768, "num_warps": 16, "programs_per_sm": 2, "eviction": True},
+    {"block_size": 32768, "num_warps": 32, "programs_per_sm": 1, "eviction": True},
+]
 
 
 def variants():
@@ -117,22 +128,35 @@ def sweep(logits, labels) -> list[dict]:
     normaliser = torch.full((), float(labels.numel()), device=DEVICE)
     grad = torch.empty_like(logits)
     rows = []
-    for block_size, num_warps in SWEEP:
-        if block_size > 2 * triton.next_power_of_2(logits.shape[1]):
-            continue
+    for config in SWEEP:
 
-        def launch(block_size=block_size, num_warps=num_warps):
-            cross_entropy_triton.cross_entropy_forward(
-                logits, labels, normaliser, grad, -100, 0.0, Z_LOSS, block_size=block_size, num_warps=num_warps
-            )
+        def launch(config=config):
+            cross_entropy_triton.cross_entropy_forward(logits, labels, normaliser, grad, -100, 0.0, Z_LOSS, **config)
 
         try:
             ms = triton.testing.do_bench(launch, return_mode="median")
         except Exception as error:  # noqa: BLE001 - a config that fails to compile (resources) is reported, not fatal
-            rows.append({"block_size": block_size, "num_warps": num_warps, "error": str(error)[:200]})
+            rows.append({**config, "error": str(error)[:200]})
             continue
-        rows.append({"block_size": block_size, "num_warps": num_warps, "ms": ms})
+        rows.append({**config, "ms": ms})
     return rows
+
+
+def profile(fn, logits, labels, steps=5) -> None:
+    """Print where the time of a forward+backward goes (host and device), for the run's log."""
+    leaf = logits.clone().requires_grad_()
+    for _ in range(2):
+        fn(leaf, labels).backward()
+        leaf.grad = None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as profiler:
+        for _ in range(steps):
+            fn(leaf, labels).backward()
+            leaf.grad = None
+        torch.cuda.synchronize()
+    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def run(args) -> dict:
@@ -164,6 +188,11 @@ def run(args) -> dict:
             entry["variants"][name] = measured
             print(f"{n_rows}x{vocab_size} {name}: {measured}")
         entry["fat5_forward_no_grad_ms"] = forward_only_ms(logits, labels)
+        if args.profile and n_rows == SHAPES[0][0]:
+            for name in ("fat5 inplace", "liger (inplace)"):
+                if name in table:
+                    print(f"profile {name} {n_rows}x{vocab_size}")
+                    profile(table[name], logits, labels)
         if args.sweep:
             entry["forward_kernel_sweep"] = sweep(logits, labels)
             print(f"sweep {n_rows}x{vocab_size}: {entry['forward_kernel_sweep']}")
@@ -222,6 +251,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/cross_entropy.json")
     parser.add_argument("--sweep", action="store_true", help="also time the forward kernel over launch configs")
+    parser.add_argument("--profile", action="store_true", help="print a profiler table of FAT5 and Liger")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()
     if args.plot_only:

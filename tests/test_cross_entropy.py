@@ -80,6 +80,25 @@ def test_triton_matches_fp64_truth(rows, vocab_size, label_smoothing, z_loss, re
     assert (grad.double() - expected_grad).norm() < 1e-4 * max(expected_grad.norm().item(), term_size)
 
 
+@pytest.mark.parametrize("config", [{"programs_per_sm": 1, "eviction": True, "block_size": 1024}, {"block_size": 4096}])
+def test_launch_configs_compute_the_same_function(config):
+    # A grid smaller than the number of rows (each program walks several) and L2 eviction hints are tuning choices.
+    from fat5.kernels import cross_entropy_triton
+
+    logits = torch.randn(7, 3000) * 3.0
+    labels = _labels(7, 3000)
+    normaliser = torch.tensor(float((labels != -100).sum()))
+    grad = torch.empty_like(logits)
+    losses, _ = cross_entropy_triton.cross_entropy_forward(
+        logits, labels, normaliser, grad, -100, 0.1, 1e-3, **config
+    )
+    expected_ce, expected_z = _truth(logits, labels, label_smoothing=0.1, z_loss=1e-3)
+    assert abs(losses[0].item() - expected_ce.item()) <= 1e-5 * expected_ce.item()
+    assert abs(losses[1].item() - expected_z.item()) <= 1e-5 * expected_z.item()
+    expected_grad = _truth_grad(logits, labels, label_smoothing=0.1, z_loss=1e-3)
+    assert _relative_error(grad, expected_grad) < 1e-4
+
+
 def test_matches_torch_cross_entropy_with_label_smoothing():
     logits = torch.randn(3, 5, 333) * 2.0
     labels = torch.randint(0, 333, (3, 5))

@@ -2,11 +2,13 @@
 
 ``cross_entropy`` returns two fp32 scalars, the cross-entropy and the z-loss term (``z_loss * logsumexp**2``),
 reduced the same way, so the trainer can log both and backpropagate their sum. The Triton path
-(``cross_entropy_triton.py``) reads each row of logits once from memory, computes its logsumexp online in fp32 and,
-when a gradient is needed, writes it during the forward (the row's second read is served by the L2 cache), so the
-backward only rescales it when the upstream gradients are not 1 - a test the kernel makes on the device, never on
-the host. With ``inplace_backward=True`` the gradient overwrites the logits buffer, so no logits-sized buffer is
-allocated.
+(``cross_entropy_triton.py``) computes each row's logsumexp online in fp32 and, when a gradient is needed, writes
+it during the forward (at a 32k vocabulary the row's second read comes from L2 or registers), so the backward only
+rescales it when the upstream gradients are not 1 - a test the kernel makes on the device, never on the host. With
+``inplace_backward=True`` the gradient overwrites the logits buffer, so no logits-sized buffer is allocated.
+
+Eager calls launch the kernels from an autograd.Function; under ``torch.compile`` the same kernels run as
+``torch.library`` custom ops with fake implementations, so the graph has no break.
 """
 
 import torch
@@ -28,7 +30,7 @@ def _normaliser(labels, ignore_index, reduction, num_items_in_batch, device) -> 
     if reduction == "sum":
         return torch.ones((), dtype=torch.float32, device=device)
     if num_items_in_batch is None:
-        return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+        return (labels != ignore_index).sum(dtype=torch.float32).clamp_min(1.0)
     if isinstance(num_items_in_batch, torch.Tensor):
         return num_items_in_batch.detach().to(device=device, dtype=torch.float32).reshape(())
     return torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
@@ -109,12 +111,12 @@ def _cross_entropy_forward(
     """Triton forward: (ce, z-loss term, per-row logsumexp, gradient for unit upstream gradients or an empty tensor)."""
     rows = _as_rows(logits)
     grad_logits = torch.empty_like(rows) if compute_grad else None
-    ce, z, log_sum_exp = _kernels.cross_entropy_forward(
+    losses, log_sum_exp = _kernels.cross_entropy_forward(
         rows, labels.reshape(-1), normaliser, grad_logits, ignore_index, label_smoothing, z_loss
     )
-    if grad_logits is None:
-        grad_logits = logits.new_empty((0,))
-    return ce, z, log_sum_exp, grad_logits.view(logits.shape) if compute_grad else grad_logits
+    grad_logits = grad_logits.view(logits.shape) if compute_grad else logits.new_empty((0,))
+    # Separate tensors: a custom op's outputs may not alias one another.
+    return losses[0].clone(), losses[1].clone(), log_sum_exp, grad_logits
 
 
 @_cross_entropy_forward.register_fake
@@ -123,53 +125,6 @@ def _(logits, labels, normaliser, ignore_index, label_smoothing, z_loss, compute
     log_sum_exp = logits.new_empty((labels.numel(),), dtype=torch.float32)
     grad_logits = torch.empty_like(logits) if compute_grad else logits.new_empty((0,))
     return scalar, scalar.clone(), log_sum_exp, grad_logits
-
-
-@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_forward_inplace", mutates_args=("logits",))
-def _cross_entropy_forward_inplace(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    normaliser: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton forward that overwrites ``logits`` with the gradient for unit upstream gradients."""
-    rows = logits.view(-1, logits.shape[-1])
-    return _kernels.cross_entropy_forward(
-        rows, labels.reshape(-1), normaliser, rows, ignore_index, label_smoothing, z_loss
-    )
-
-
-@_cross_entropy_forward_inplace.register_fake
-def _(logits, labels, normaliser, ignore_index, label_smoothing, z_loss):
-    scalar = logits.new_empty((), dtype=torch.float32)
-    return scalar, scalar.clone(), logits.new_empty((labels.numel(),), dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_rescale_grad_", mutates_args=("grad_logits",))
-def _cross_entropy_rescale_grad_(
-    grad_logits: torch.Tensor,
-    labels: torch.Tensor,
-    log_sum_exp: torch.Tensor,
-    normaliser: torch.Tensor,
-    grad_ce: torch.Tensor,
-    grad_z: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-) -> None:
-    """Turn the stored unit-upstream gradient into the one for (grad_ce, grad_z), in place; a no-op on the device
-    when both are 1."""
-    _kernels.cross_entropy_rescale_grad(
-        grad_logits.view(-1, grad_logits.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser,
-        grad_ce, grad_z, ignore_index, label_smoothing, z_loss,
-    )
-
-
-@_cross_entropy_rescale_grad_.register_fake
-def _(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss):
-    return None
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_rescale_grad", mutates_args=())
@@ -184,10 +139,11 @@ def _cross_entropy_rescale_grad(
     label_smoothing: float,
     z_loss: float,
 ) -> torch.Tensor:
-    """Out-of-place twin of ``cross_entropy_rescale_grad_`` for traced graphs (see ``_rescaled``)."""
+    """The gradient for upstream gradients (grad_ce, grad_z) from the unit-upstream one the forward stored."""
     rescaled = grad_logits.clone()
-    _cross_entropy_rescale_grad_(
-        rescaled, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_index, label_smoothing, z_loss
+    _kernels.cross_entropy_rescale_grad(
+        rescaled.view(-1, rescaled.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser, grad_ce, grad_z,
+        ignore_index, label_smoothing, z_loss,
     )
     return rescaled
 
@@ -200,15 +156,18 @@ def _(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ignore_inde
 def _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, options):
     """The gradient for upstream gradients (grad_ce, grad_z), from the unit-upstream one stored by the forward.
 
-    Eagerly the stored buffer is rescaled in place (a no-op on the device for unit upstream gradients). A traced
-    backward (AOTAutograd hands it functional/fake tensor subclasses) gets the out-of-place op instead: AOTAutograd
-    cannot partition a backward that mutates a tensor saved by the forward.
+    Eagerly the stored buffer is rescaled in place (the kernel returns at once, on the device, for unit upstream
+    gradients). A traced backward (AOTAutograd hands it functional/fake tensor subclasses) gets the out-of-place op:
+    AOTAutograd cannot partition a backward that mutates a tensor saved by the forward.
     """
     grad_ce = _upstream(grad_ce, grad_logits)
     grad_z = _upstream(grad_z, grad_logits)
     if type(grad_logits) is not torch.Tensor:
         return _cross_entropy_rescale_grad(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, *options)
-    _cross_entropy_rescale_grad_(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, *options)
+    _kernels.cross_entropy_rescale_grad(
+        grad_logits.view(-1, grad_logits.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser, grad_ce, grad_z,
+        *options,
+    )
     return grad_logits
 
 
@@ -241,27 +200,35 @@ def _backward(ctx, grad_ce, grad_z, _grad_log_sum_exp, _grad_grad_logits):
 _cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _InplaceCrossEntropy(torch.autograd.Function):
-    """Eager path for ``inplace_backward=True``: the forward writes the gradient into the caller's logits buffer.
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Eager path: the kernels launched straight from an autograd.Function.
 
-    The mutation is declared on the custom op (version counters see it, so a later use of the old logits by autograd
-    raises), but an op that mutates its input cannot carry a torch.library autograd formula, hence this Function.
+    Dispatching through torch.library costs tens of microseconds of host time per call, as much as the kernels take
+    at T5's sizes; ``torch.compile`` traces the custom ops above instead. With ``inplace`` the gradient overwrites
+    the caller's logits; their version counter is bumped, so autograd raises if anything else saved them.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, normaliser, ignore_index, label_smoothing, z_loss):
-        ce, z, log_sum_exp = _cross_entropy_forward_inplace(
-            logits, labels, normaliser, ignore_index, label_smoothing, z_loss
+    def forward(ctx, logits, labels, normaliser, ignore_index, label_smoothing, z_loss, inplace):
+        rows = _as_rows(logits)
+        inplace = inplace and logits.is_contiguous()
+        grad_rows = rows if inplace else torch.empty_like(rows)
+        flat_labels = labels.reshape(-1)
+        losses, log_sum_exp = _kernels.cross_entropy_forward(
+            rows, flat_labels, normaliser, grad_rows, ignore_index, label_smoothing, z_loss
         )
+        if inplace:
+            torch.autograd.graph.increment_version(logits)
         ctx.options = (ignore_index, label_smoothing, z_loss)
-        ctx.save_for_backward(logits.detach(), labels, normaliser, log_sum_exp)
-        return ce, z
+        ctx.logits_shape = logits.shape
+        ctx.save_for_backward(grad_rows.detach(), flat_labels, normaliser, log_sum_exp)
+        return losses.unbind()
 
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
-        grad_logits, labels, normaliser, log_sum_exp = ctx.saved_tensors
-        grad_logits = _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, ctx.options)
-        return grad_logits, None, None, None, None, None
+        grad_rows, labels, normaliser, log_sum_exp = ctx.saved_tensors
+        grad_rows = _rescaled(grad_rows, labels, log_sum_exp, normaliser, grad_ce, grad_z, ctx.options)
+        return grad_rows.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -308,7 +275,10 @@ def cross_entropy(
     normaliser = _normaliser(labels, ignore_index, reduction, num_items_in_batch, logits.device)
     options = (int(ignore_index), float(label_smoothing), float(z_loss))
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    if compute_grad and inplace_backward and not torch.compiler.is_compiling() and logits.is_contiguous():
-        return _InplaceCrossEntropy.apply(logits, labels, normaliser, *options)
-    ce, z, _, _ = _cross_entropy_forward(logits, labels, normaliser, *options, compute_grad)
-    return ce, z
+    if torch.compiler.is_compiling():
+        ce, z, _, _ = _cross_entropy_forward(logits, labels, normaliser, *options, compute_grad)
+        return ce, z
+    if compute_grad:
+        return _CrossEntropyFunction.apply(logits, labels, normaliser, *options, inplace_backward)
+    losses, _ = _kernels.cross_entropy_forward(_as_rows(logits), labels.reshape(-1), normaliser, None, *options)
+    return losses.unbind()

@@ -24,79 +24,92 @@ import torch
 def _cross_entropy_forward_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, normaliser_ptr,
     ce_ptr, z_ptr, log_sum_exp_ptr,
-    vocab_size, ignore_index, label_smoothing, z_loss,
+    n_rows, vocab_size, ignore_index, label_smoothing, z_loss,
     COMPUTE_GRAD: tl.constexpr, LABEL_SMOOTHING: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    FIRST_PASS_EVICTION: tl.constexpr, SECOND_PASS_EVICTION: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    label = tl.load(labels_ptr + row).to(tl.int64)
-    logits_row = logits_ptr + row * logits_row_stride
-    grad_row = grad_ptr + row * grad_row_stride
     offsets = tl.arange(0, BLOCK_SIZE)
+    # A grid smaller than n_rows makes each program walk several rows: fewer rows in flight, so more of each row is
+    # still in L2 when the gradient pass reads it again.
+    for row_index in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row_index, tl.int64)
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        logits_row = logits_ptr + row * logits_row_stride
+        grad_row = grad_ptr + row * grad_row_stride
 
-    if label == ignore_index:
-        tl.store(ce_ptr + row, 0.0)
-        tl.store(z_ptr + row, 0.0)
-        tl.store(log_sum_exp_ptr + row, 0.0)
-        if COMPUTE_GRAD:
-            zeros = tl.zeros((BLOCK_SIZE,), dtype=grad_ptr.dtype.element_ty)
-            for block in range(NUM_BLOCKS):
-                cols = block * BLOCK_SIZE + offsets
-                tl.store(grad_row + cols, zeros, mask=cols < vocab_size)
-    else:
-        # Online logsumexp in fp32: running max m and running sum of exp(x - m), exp taken as exp2. The max is
-        # subtracted before scaling by log2(e) so that logits near the fp32 maximum do not overflow.
-        logit_sum = 0.0
-        if NUM_BLOCKS == 1:
-            # The whole row fits one block: keep exp(x - m) in registers for the gradient, no second read.
-            col_mask = offsets < vocab_size
-            x = tl.load(logits_row + offsets, mask=col_mask, other=-float("inf")).to(tl.float32)
-            running_max = tl.max(x, axis=0)
-            shifted_exp = tl.exp2((x - running_max) * 1.4426950408889634)
-            running_sum = tl.sum(shifted_exp, axis=0)
-            if LABEL_SMOOTHING:
-                logit_sum = tl.sum(tl.where(col_mask, x, 0.0), axis=0)
+        if label == ignore_index:
+            tl.store(ce_ptr + row, 0.0)
+            tl.store(z_ptr + row, 0.0)
+            tl.store(log_sum_exp_ptr + row, 0.0)
+            if COMPUTE_GRAD:
+                zeros = tl.zeros((BLOCK_SIZE,), dtype=grad_ptr.dtype.element_ty)
+                for block in range(NUM_BLOCKS):
+                    cols = block * BLOCK_SIZE + offsets
+                    tl.store(grad_row + cols, zeros, mask=cols < vocab_size)
         else:
-            running_max = -float("inf")
-            running_sum = 0.0
-            for block in range(NUM_BLOCKS):
-                cols = block * BLOCK_SIZE + offsets
-                x = tl.load(logits_row + cols, mask=cols < vocab_size, other=-float("inf")).to(tl.float32)
-                block_max = tl.maximum(running_max, tl.max(x, axis=0))
-                running_sum = running_sum * tl.exp2((running_max - block_max) * 1.4426950408889634) + tl.sum(
-                    tl.exp2((x - block_max) * 1.4426950408889634), axis=0
-                )
-                running_max = block_max
-                if LABEL_SMOOTHING:
-                    logit_sum += tl.sum(tl.where(cols < vocab_size, x, 0.0), axis=0)
-        log_sum_exp = running_max + tl.log(running_sum)
-
-        label_in_range = (label >= 0) & (label < vocab_size)
-        label_logit = tl.load(logits_row + label, mask=label_in_range, other=0.0).to(tl.float32)
-        ce = log_sum_exp - label_logit
-        if LABEL_SMOOTHING:
-            mean_logit = logit_sum / vocab_size
-            ce = (1.0 - label_smoothing) * ce + label_smoothing * (log_sum_exp - mean_logit)
-        tl.store(ce_ptr + row, ce)
-        tl.store(z_ptr + row, z_loss * log_sum_exp * log_sum_exp)
-        tl.store(log_sum_exp_ptr + row, log_sum_exp)
-
-        if COMPUTE_GRAD:
-            inverse_normaliser = 1.0 / tl.load(normaliser_ptr)
-            probability_scale = (1.0 + 2.0 * z_loss * log_sum_exp) * inverse_normaliser
-            smoothing_term = label_smoothing / vocab_size * inverse_normaliser
-            label_term = (1.0 - label_smoothing) * inverse_normaliser
+            # Online logsumexp in fp32: running max m and running sum of exp(x - m), exp taken as exp2. The max is
+            # subtracted before scaling by log2(e) so that logits near the fp32 maximum do not overflow.
+            logit_sum = 0.0
             if NUM_BLOCKS == 1:
-                grad = shifted_exp * (probability_scale / running_sum) - smoothing_term
-                grad = tl.where(offsets == label, grad - label_term, grad)
-                tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+                # The whole row fits one block: keep exp(x - m) in registers for the gradient, no second read.
+                col_mask = offsets < vocab_size
+                x = tl.load(logits_row + offsets, mask=col_mask, other=-float("inf")).to(tl.float32)
+                running_max = tl.max(x, axis=0)
+                shifted_exp = tl.exp2((x - running_max) * 1.4426950408889634)
+                running_sum = tl.sum(shifted_exp, axis=0)
+                if LABEL_SMOOTHING:
+                    logit_sum = tl.sum(tl.where(col_mask, x, 0.0), axis=0)
             else:
-                for reverse_block in range(NUM_BLOCKS):
-                    cols = (NUM_BLOCKS - 1 - reverse_block) * BLOCK_SIZE + offsets
-                    col_mask = cols < vocab_size
-                    x = tl.load(logits_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    grad = tl.exp2((x - log_sum_exp) * 1.4426950408889634) * probability_scale - smoothing_term
-                    grad = tl.where(cols == label, grad - label_term, grad)
-                    tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+                running_max = -float("inf")
+                running_sum = 0.0
+                for block in range(NUM_BLOCKS):
+                    cols = block * BLOCK_SIZE + offsets
+                    x = tl.load(
+                        logits_row + cols, mask=cols < vocab_size, other=-float("inf"),
+                        eviction_policy=FIRST_PASS_EVICTION,
+                    ).to(tl.float32)
+                    block_max = tl.maximum(running_max, tl.max(x, axis=0))
+                    running_sum = running_sum * tl.exp2((running_max - block_max) * 1.4426950408889634) + tl.sum(
+                        tl.exp2((x - block_max) * 1.4426950408889634), axis=0
+                    )
+                    running_max = block_max
+                    if LABEL_SMOOTHING:
+                        logit_sum += tl.sum(tl.where(cols < vocab_size, x, 0.0), axis=0)
+            log_sum_exp = running_max + tl.log(running_sum)
+
+            label_in_range = (label >= 0) & (label < vocab_size)
+            label_logit = tl.load(logits_row + label, mask=label_in_range, other=0.0).to(tl.float32)
+            ce = log_sum_exp - label_logit
+            if LABEL_SMOOTHING:
+                mean_logit = logit_sum / vocab_size
+                ce = (1.0 - label_smoothing) * ce + label_smoothing * (log_sum_exp - mean_logit)
+            tl.store(ce_ptr + row, ce)
+            tl.store(z_ptr + row, z_loss * log_sum_exp * log_sum_exp)
+            tl.store(log_sum_exp_ptr + row, log_sum_exp)
+
+            if COMPUTE_GRAD:
+                inverse_normaliser = 1.0 / tl.load(normaliser_ptr)
+                probability_scale = (1.0 + 2.0 * z_loss * log_sum_exp) * inverse_normaliser
+                smoothing_term = label_smoothing / vocab_size * inverse_normaliser
+                label_term = (1.0 - label_smoothing) * inverse_normaliser
+                if NUM_BLOCKS == 1:
+                    grad = shifted_exp * (probability_scale / running_sum) - smoothing_term
+                    grad = tl.where(offsets == label, grad - label_term, grad)
+                    tl.store(grad_row + offsets, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+                else:
+                    # Backwards, so that the blocks read last by the first pass, the likeliest still in L2, come first.
+                    for reverse_block in range(NUM_BLOCKS):
+                        cols = (NUM_BLOCKS - 1 - reverse_block) * BLOCK_SIZE + offsets
+                        col_mask = cols < vocab_size
+                        x = tl.load(
+                            logits_row + cols, mask=col_mask, other=0.0, eviction_policy=SECOND_PASS_EVICTION
+                        ).to(tl.float32)
+                        grad = tl.exp2((x - log_sum_exp) * 1.4426950408889634) * probability_scale - smoothing_term
+                        grad = tl.where(cols == label, grad - label_term, grad)
+                        tl.store(
+                            grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask,
+                            eviction_policy=SECOND_PASS_EVICTION,
+                        )
 
 
 @triton.jit
@@ -130,40 +143,52 @@ def _cross_entropy_rescale_grad_kernel(
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
 
 
-def forward_config(vocab_size: int) -> tuple[int, int]:
-    """(BLOCK_SIZE, num_warps) for the forward: blocks of up to 8k logits (a row that fits one block is read once)."""
-    block_size = min(8192, triton.next_power_of_2(vocab_size))
-    num_warps = 8 if block_size >= 4096 else 4
-    return block_size, num_warps
+# Measured on an H100 (benchmarks/results/cross_entropy.json): two blocks of 16k beat one of 32k at a 32k
+# vocabulary; 32k blocks are best at 250k, where the second read of a row misses L2 unless few rows are in flight.
+def forward_config(vocab_size: int) -> dict:
+    """Launch parameters of the forward at this vocabulary size."""
+    if vocab_size <= 65536:
+        block_size = min(16384, triton.next_power_of_2(vocab_size))
+        return {"block_size": block_size, "num_warps": 16 if block_size >= 16384 else 8 if block_size >= 4096 else 4,
+                "programs_per_sm": None, "eviction": False}
+    return {"block_size": 32768, "num_warps": 16, "programs_per_sm": None, "eviction": False}
 
 
-def cross_entropy_forward(
-    logits, labels, normaliser, grad_logits, ignore_index, label_smoothing, z_loss, block_size=None, num_warps=None
-):
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter on CPU: a grid smaller than the rows still exercises the row loop
+
+
+def cross_entropy_forward(logits, labels, normaliser, grad_logits, ignore_index, label_smoothing, z_loss, **config):
     """Launch the forward on 2-D ``logits`` (unit stride along the vocabulary).
 
     Writes the unit-upstream gradient into ``grad_logits`` when it is given (it may be ``logits`` itself) and
-    returns ``(ce, z, log_sum_exp)``: the two losses summed in fp32 and divided by ``normaliser``, and the per-row
-    logsumexp the rescale kernel needs.
+    returns ``(losses, log_sum_exp)``: the cross-entropy and z-loss sums divided by ``normaliser`` as one fp32
+    tensor of two elements, and the per-row logsumexp the rescale kernel needs. ``config`` overrides
+    ``forward_config`` (block_size, num_warps, programs_per_sm, eviction) for tuning.
     """
     n_rows, vocab_size = logits.shape
     per_row_losses = torch.empty((2, n_rows), dtype=torch.float32, device=logits.device)
     log_sum_exp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
-        default_block, default_warps = forward_config(vocab_size)
-        block_size = block_size or default_block
+        config = {**forward_config(vocab_size), **config}
+        programs = n_rows
+        if config["programs_per_sm"]:
+            programs = min(n_rows, config["programs_per_sm"] * _multiprocessors(logits.device))
         compute_grad = grad_logits is not None
-        _cross_entropy_forward_kernel[(n_rows,)](
+        _cross_entropy_forward_kernel[(programs,)](
             logits, logits.stride(0), grad_logits if compute_grad else logits,
             grad_logits.stride(0) if compute_grad else 0, labels, normaliser,
             per_row_losses[0], per_row_losses[1], log_sum_exp,
-            vocab_size, ignore_index, label_smoothing, z_loss,
+            n_rows, vocab_size, ignore_index, label_smoothing, z_loss,
             COMPUTE_GRAD=compute_grad, LABEL_SMOOTHING=label_smoothing > 0.0,
-            BLOCK_SIZE=block_size, NUM_BLOCKS=triton.cdiv(vocab_size, block_size),
-            num_warps=num_warps or default_warps,
+            BLOCK_SIZE=config["block_size"], NUM_BLOCKS=triton.cdiv(vocab_size, config["block_size"]),
+            FIRST_PASS_EVICTION="evict_last" if config["eviction"] else "",
+            SECOND_PASS_EVICTION="evict_first" if config["eviction"] else "",
+            num_warps=config["num_warps"],
         )
-    # Two separate scalars: a custom op's outputs may not alias one another.
-    return per_row_losses[0].sum() / normaliser, per_row_losses[1].sum() / normaliser, log_sum_exp
+    return per_row_losses.sum(dim=1) / normaliser, log_sum_exp
 
 
 def cross_entropy_rescale_grad(

@@ -3,8 +3,8 @@
 T5's norm (``transformers.models.t5.modeling_t5.T5LayerNorm``) computes the variance of ``x`` in fp32, multiplies
 ``x`` by ``rsqrt(variance + eps)`` in fp32, casts that to the weight's dtype when the weight is fp16/bf16, and only
 then multiplies by the weight. Every backend here reproduces that order, so a converted checkpoint gives the same
-activations. The Triton path (``rms_norm_triton.py``) is registered as a ``torch.library`` custom op with a fake
-implementation, so ``torch.compile(fullgraph=True)`` traces through it.
+activations. The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eager mode and as
+``torch.library`` custom ops with fake implementations under ``torch.compile(fullgraph=True)``.
 """
 
 import torch
@@ -98,6 +98,7 @@ def _(grad_output, hidden_states, weight, inverse_rms):
 def _setup_context(ctx, inputs, output):
     hidden_states, weight, _ = inputs
     _, inverse_rms = output
+    ctx.mark_non_differentiable(inverse_rms)
     ctx.save_for_backward(hidden_states, weight, inverse_rms)
 
 
@@ -108,6 +109,32 @@ def _backward(ctx, grad_output, _grad_inverse_rms):
 
 
 _rms_norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Eager path: the kernels launched straight from an autograd.Function.
+
+    Dispatching through torch.library costs tens of microseconds of host time per call, more than the kernels take
+    at T5's widths; ``torch.compile`` traces the custom ops above instead.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, eps):
+        rows = _as_rows(hidden_states)
+        output = torch.empty(rows.shape, dtype=_output_dtype(hidden_states.dtype, weight.dtype), device=rows.device)
+        inverse_rms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+        _kernels.rms_norm_forward(rows, weight, output, inverse_rms, eps)
+        ctx.save_for_backward(rows, weight, inverse_rms)
+        ctx.input_shape = hidden_states.shape
+        return output.view(hidden_states.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows, weight, inverse_rms = ctx.saved_tensors
+        grad_rows = _as_rows(grad_output)
+        grad_input = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        grad_weight = _kernels.rms_norm_backward(grad_rows, rows, weight, inverse_rms, grad_input)
+        return grad_input.view(ctx.input_shape), grad_weight, None
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto") -> torch.Tensor:
@@ -136,5 +163,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-
     if hidden_states.shape[-1] > _kernels.MAX_WIDTH:
         # A row wider than one program's registers: the reference is the better kernel there.
         return rms_norm_reference(hidden_states, weight, eps)
-    output, _ = _rms_norm_forward(hidden_states, weight, float(eps))
-    return output
+    if torch.compiler.is_compiling():
+        output, _ = _rms_norm_forward(hidden_states, weight, float(eps))
+        return output
+    return _RMSNormFunction.apply(hidden_states, weight, float(eps))
