@@ -143,15 +143,16 @@ def _cross_entropy_rescale_grad_kernel(
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
 
 
-# Measured on an H100 (benchmarks/results/cross_entropy.json): two blocks of 16k beat one of 32k at a 32k
-# vocabulary; 32k blocks are best at 250k, where the second read of a row misses L2 unless few rows are in flight.
+# Measured on an H100 (benchmarks/results/cross_entropy.json, forward_kernel_sweep): at a 32k vocabulary two blocks
+# of 16k beat one of 32k held in registers; at 250k the row's second read misses L2 unless the first pass marks its
+# lines evict-last, the second evict-first, and a persistent grid keeps fewer rows in flight.
 def forward_config(vocab_size: int) -> dict:
     """Launch parameters of the forward at this vocabulary size."""
     if vocab_size <= 65536:
         block_size = min(16384, triton.next_power_of_2(vocab_size))
-        return {"block_size": block_size, "num_warps": 16 if block_size >= 16384 else 8 if block_size >= 4096 else 4,
-                "programs_per_sm": None, "eviction": False}
-    return {"block_size": 32768, "num_warps": 16, "programs_per_sm": None, "eviction": False}
+        num_warps = 16 if block_size >= 16384 else 8 if block_size >= 4096 else 4
+        return {"block_size": block_size, "num_warps": num_warps, "programs_per_sm": None, "eviction": True}
+    return {"block_size": 32768, "num_warps": 16, "programs_per_sm": 2, "eviction": True}
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -94,9 +94,9 @@ def _cast_to_weight_dtype(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.float16, torch.bfloat16)
 
 
-# Measured on an H100 at 32768 tokens (benchmarks/results/rms_norm.json): 4 warps and about 4k elements per program
-# for the forward (within 1.25x of the bandwidth floor from d 512 to 4096); for the backward about 2k elements per
-# step and several programs per multiprocessor, each reducing a slab of rows.
+# Measured on an H100 at 32768 tokens (benchmarks/results/rms_norm.json, sweeps of two runs): 4 warps and about 4k
+# elements per program for the forward (within 1.3x of the bandwidth floor from d 512 to 4096); for the backward up
+# to 4 rows of at most 4k elements per step, 4 warps, 8 programs per multiprocessor each reducing a slab of rows.
 def forward_config(n_cols: int) -> tuple[int, int]:
     """(rows per program, num_warps) for the forward at this width."""
     block_cols = triton.next_power_of_2(n_cols)
@@ -109,10 +109,10 @@ def forward_config(n_cols: int) -> tuple[int, int]:
 def backward_config(n_cols: int) -> tuple[int, int, int]:
     """(rows per step, num_warps, programs per multiprocessor) for the backward at this width."""
     block_cols = triton.next_power_of_2(n_cols)
-    rows_per_step = max(1, 2048 // block_cols)
+    rows_per_step = max(1, min(4, 4096 // block_cols))
     elements = rows_per_step * block_cols
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-    return rows_per_step, num_warps, 4
+    num_warps = 4 if elements <= 4096 else 8 if elements <= 8192 else 16
+    return rows_per_step, num_warps, 8
 
 
 def _multiprocessors(device: torch.device) -> int:
