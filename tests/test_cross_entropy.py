@@ -308,3 +308,32 @@ def test_gpu_bf16_real_sizes(rows, vocab_size, inplace_backward):
     reference_ce, reference_z = cross_entropy_reference(reference_leaf, labels, **options)
     expected_grad = torch.autograd.grad(0.5 * reference_ce + 0.5 * reference_z, reference_leaf)[0]
     assert _relative_error(grad, expected_grad) < 1e-2
+
+
+def test_modules_import_and_fall_back_without_triton():
+    # CPU users load the model without triton installed: both modules must import and serve the reference.
+    import subprocess
+    import sys
+
+    script = """
+import sys
+class BlockTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("triton is blocked for this test")
+sys.meta_path.insert(0, BlockTriton())
+import torch
+from fat5.kernels.cross_entropy import cross_entropy
+from fat5.kernels.rms_norm import rms_norm
+ce, z = cross_entropy(torch.randn(4, 10), torch.tensor([1, 2, -100, 3]), z_loss=1e-4)
+assert torch.isfinite(ce) and torch.isfinite(z)
+assert rms_norm(torch.randn(3, 8), torch.ones(8)).shape == (3, 8)
+try:
+    rms_norm(torch.randn(3, 8), torch.ones(8), backend="triton")
+except RuntimeError as error:
+    assert "triton" in str(error)
+else:
+    raise AssertionError("backend='triton' without triton must raise")
+"""
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

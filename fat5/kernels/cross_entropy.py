@@ -15,10 +15,13 @@ import torch
 
 from .dispatch import op_namespace, use_triton
 
+# `from .module import name` (not `from . import module`): transformers only ships the remote-code files it finds
+# imported that way.
 try:
-    from . import cross_entropy_triton as _kernels
+    from .cross_entropy_triton import cross_entropy_forward as _triton_forward
+    from .cross_entropy_triton import cross_entropy_rescale_grad as _triton_rescale_grad
 except ImportError:  # no triton: the reference serves every call
-    _kernels = None
+    _triton_forward = _triton_rescale_grad = None
 
 _NAMESPACE = op_namespace(__name__)
 REDUCTIONS = ("mean", "sum")
@@ -111,7 +114,7 @@ def _cross_entropy_forward(
     """Triton forward: (ce, z-loss term, per-row logsumexp, gradient for unit upstream gradients or an empty tensor)."""
     rows = _as_rows(logits)
     grad_logits = torch.empty_like(rows) if compute_grad else None
-    losses, log_sum_exp = _kernels.cross_entropy_forward(
+    losses, log_sum_exp = _triton_forward(
         rows, labels.reshape(-1), normaliser, grad_logits, ignore_index, label_smoothing, z_loss
     )
     grad_logits = grad_logits.view(logits.shape) if compute_grad else logits.new_empty((0,))
@@ -141,7 +144,7 @@ def _cross_entropy_rescale_grad(
 ) -> torch.Tensor:
     """The gradient for upstream gradients (grad_ce, grad_z) from the unit-upstream one the forward stored."""
     rescaled = grad_logits.clone()
-    _kernels.cross_entropy_rescale_grad(
+    _triton_rescale_grad(
         rescaled.view(-1, rescaled.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser, grad_ce, grad_z,
         ignore_index, label_smoothing, z_loss,
     )
@@ -164,7 +167,7 @@ def _rescaled(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, opt
     grad_z = _upstream(grad_z, grad_logits)
     if type(grad_logits) is not torch.Tensor:
         return _cross_entropy_rescale_grad(grad_logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, *options)
-    _kernels.cross_entropy_rescale_grad(
+    _triton_rescale_grad(
         grad_logits.view(-1, grad_logits.shape[-1]), labels.reshape(-1), log_sum_exp, normaliser, grad_ce, grad_z,
         *options,
     )
@@ -214,7 +217,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         inplace = inplace and logits.is_contiguous()
         grad_rows = rows if inplace else torch.empty_like(rows)
         flat_labels = labels.reshape(-1)
-        losses, log_sum_exp = _kernels.cross_entropy_forward(
+        losses, log_sum_exp = _triton_forward(
             rows, flat_labels, normaliser, grad_rows, ignore_index, label_smoothing, z_loss
         )
         if inplace:
@@ -266,7 +269,7 @@ def cross_entropy(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             reduction=reduction, num_items_in_batch=num_items_in_batch,
         )
-    if _kernels is None:
+    if _triton_forward is None:
         raise RuntimeError("cross_entropy: the Triton kernels could not be imported; use backend='reference'")
     if logits.dtype not in _TRITON_DTYPES:
         raise TypeError(
@@ -280,5 +283,5 @@ def cross_entropy(
         return ce, z
     if compute_grad:
         return _CrossEntropyFunction.apply(logits, labels, normaliser, *options, inplace_backward)
-    losses, _ = _kernels.cross_entropy_forward(_as_rows(logits), labels.reshape(-1), normaliser, None, *options)
+    losses, _ = _triton_forward(_as_rows(logits), labels.reshape(-1), normaliser, None, *options)
     return losses.unbind()

@@ -11,10 +11,14 @@ import torch
 
 from .dispatch import op_namespace, use_triton
 
+# `from .module import name` (not `from . import module`): transformers only ships the remote-code files it finds
+# imported that way.
 try:
-    from . import rms_norm_triton as _kernels
+    from .rms_norm_triton import MAX_WIDTH as _TRITON_MAX_WIDTH
+    from .rms_norm_triton import rms_norm_backward as _triton_backward
+    from .rms_norm_triton import rms_norm_forward as _triton_forward
 except ImportError:  # no triton: the reference serves every call
-    _kernels = None
+    _TRITON_MAX_WIDTH = _triton_backward = _triton_forward = None
 
 _NAMESPACE = op_namespace(__name__)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -67,7 +71,7 @@ def _rms_norm_forward(hidden_states: torch.Tensor, weight: torch.Tensor, eps: fl
     rows = _as_rows(hidden_states)
     output = torch.empty(rows.shape, dtype=_output_dtype(hidden_states.dtype, weight.dtype), device=rows.device)
     inverse_rms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-    _kernels.rms_norm_forward(rows, weight, output, inverse_rms, eps)
+    _triton_forward(rows, weight, output, inverse_rms, eps)
     return output.view(hidden_states.shape), inverse_rms
 
 
@@ -86,7 +90,7 @@ def _rms_norm_backward(
     rows = _as_rows(hidden_states)
     grad_rows = _as_rows(grad_output)
     grad_input = torch.empty(rows.shape, dtype=hidden_states.dtype, device=rows.device)
-    grad_weight = _kernels.rms_norm_backward(grad_rows, rows, weight, inverse_rms, grad_input)
+    grad_weight = _triton_backward(grad_rows, rows, weight, inverse_rms, grad_input)
     return grad_input.view(hidden_states.shape), grad_weight
 
 
@@ -123,7 +127,7 @@ class _RMSNormFunction(torch.autograd.Function):
         rows = _as_rows(hidden_states)
         output = torch.empty(rows.shape, dtype=_output_dtype(hidden_states.dtype, weight.dtype), device=rows.device)
         inverse_rms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        _kernels.rms_norm_forward(rows, weight, output, inverse_rms, eps)
+        _triton_forward(rows, weight, output, inverse_rms, eps)
         ctx.save_for_backward(rows, weight, inverse_rms)
         ctx.input_shape = hidden_states.shape
         return output.view(hidden_states.shape)
@@ -133,7 +137,7 @@ class _RMSNormFunction(torch.autograd.Function):
         rows, weight, inverse_rms = ctx.saved_tensors
         grad_rows = _as_rows(grad_output)
         grad_input = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        grad_weight = _kernels.rms_norm_backward(grad_rows, rows, weight, inverse_rms, grad_input)
+        grad_weight = _triton_backward(grad_rows, rows, weight, inverse_rms, grad_input)
         return grad_input.view(ctx.input_shape), grad_weight, None
 
 
@@ -153,14 +157,14 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-
     _check_inputs(hidden_states, weight)
     if not use_triton(backend, hidden_states):
         return rms_norm_reference(hidden_states, weight, eps)
-    if _kernels is None:
+    if _triton_forward is None:
         raise RuntimeError("rms_norm: the Triton kernels could not be imported; use backend='reference'")
     if hidden_states.dtype not in _TRITON_DTYPES or weight.dtype not in _TRITON_DTYPES:
         raise TypeError(
             f"rms_norm's Triton path takes fp32/fp16/bf16, got hidden_states {hidden_states.dtype} and weight "
             f"{weight.dtype}; use backend='reference' for other dtypes"
         )
-    if hidden_states.shape[-1] > _kernels.MAX_WIDTH:
+    if hidden_states.shape[-1] > _TRITON_MAX_WIDTH:
         # A row wider than one program's registers: the reference is the better kernel there.
         return rms_norm_reference(hidden_states, weight, eps)
     if torch.compiler.is_compiling():
