@@ -168,14 +168,25 @@ def attention_varlen(
         return flash_attention_varlen(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments
         )
-    outputs = []
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for segment in range(len(bounds_q) - 1):
-        q = query[bounds_q[segment] : bounds_q[segment + 1]].transpose(0, 1)[None]
-        k = key[bounds_k[segment] : bounds_k[segment + 1]].transpose(0, 1)[None]
-        v = value[bounds_k[segment] : bounds_k[segment + 1]].transpose(0, 1)[None]
-        segment_arguments = dict(arguments, key_padding_mask=None)
-        if position_encoding == "bias":
-            segment_arguments["attn_bias"] = attn_bias[..., : q.shape[2], : k.shape[2]]
-        outputs.append(_reference(q, k, v, **segment_arguments)[0].transpose(0, 1))
-    return torch.cat(outputs, dim=0)
+    return _varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
+
+
+def _varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments):
+    """Scatter the segments into a padded (segments, heads, length, head_dim) batch and run the dense reference."""
+
+    def padded(tensor, cu_seqlens, max_seqlen):
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=tensor.device), lengths)
+        position = torch.arange(tensor.shape[0], device=tensor.device) - cu_seqlens[:-1].long()[segment]
+        batch = tensor.new_zeros(lengths.numel(), max_seqlen, *tensor.shape[1:])
+        batch[segment, position] = tensor
+        return batch.transpose(1, 2), segment, position, lengths
+
+    q, segment, position, _ = padded(query, cu_seqlens_q, max_seqlen_q)
+    k, _, _, key_lengths = padded(key, cu_seqlens_k, max_seqlen_k)
+    v, _, _, _ = padded(value, cu_seqlens_k, max_seqlen_k)
+    key_padding_mask = torch.arange(max_seqlen_k, device=key.device)[None, :] < key_lengths[:, None]
+    if arguments["position_encoding"] == "bias":
+        arguments = dict(arguments, attn_bias=arguments["attn_bias"][..., :max_seqlen_q, :max_seqlen_k])
+    output = _reference(q, k, v, key_padding_mask=key_padding_mask, **arguments)
+    return output.transpose(1, 2)[segment, position]
