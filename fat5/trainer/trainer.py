@@ -8,6 +8,7 @@ to every training log, and routes transformers' ``label_smoothing_factor`` into 
 import time
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
 
 
@@ -28,21 +29,62 @@ def count_tokens(inputs: dict) -> tuple[torch.Tensor, int]:
     return encoder_tokens, slots
 
 
+def _yields_batches(dataset) -> bool:
+    from .packing import PackedStreamDataset
+
+    return isinstance(dataset, PackedStreamDataset)
+
+
 class FAT5Trainer(Seq2SeqTrainer):
     """A ``Seq2SeqTrainer`` for FAT5 models; every argument is the parent's.
 
     Training logs gain ``ce_loss`` and ``z_loss`` (their means since the last log), ``tokens_per_second`` (real
     tokens, encoder and labelled decoder positions, per second of wall time since the last log, all processes) and
     ``padding_fraction`` (the share of batch slots that held padding).
+
+    Packed UL2 batches come from a batch sampler (``train_batch_sampler`` / ``eval_batch_sampler``, e.g.
+    :class:`~fat5.trainer.packing.UL2PackedBatchSampler`, whose batches depend only on its seed and the epoch, so a
+    resumed run sees exactly the data it would have seen) over :class:`~fat5.trainer.packing.PlannedDataset`, or
+    from an ``IterableDataset`` that yields whole batches (:class:`~fat5.trainer.packing.PackedStreamDataset`).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, train_batch_sampler=None, eval_batch_sampler=None, **kwargs):
+        self.train_batch_sampler = train_batch_sampler
+        self.eval_batch_sampler = eval_batch_sampler
         super().__init__(*args, **kwargs)
         if self.args.label_smoothing_factor > 0:
             # the fused loss smooths labels itself; transformers' smoother would take the labels away from the model
             self.accelerator.unwrap_model(self.model).config.label_smoothing = self.args.label_smoothing_factor
             self.label_smoother = None
         self._reset_window()
+
+    def _batch_loader(self, dataset, batch_sampler) -> DataLoader:
+        from .packing import PlannedDataset
+
+        options = dict(
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+        )
+        if batch_sampler is not None:
+            loader = DataLoader(PlannedDataset(dataset), batch_sampler=batch_sampler, **options)
+        else:
+            # an IterableDataset of ready batches
+            loader = DataLoader(dataset, batch_size=None, num_workers=self.args.dataloader_num_workers)
+        return self.accelerator.prepare(loader)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_batch_sampler is not None or _yields_batches(self.train_dataset):
+            return self._batch_loader(self.train_dataset, self.train_batch_sampler)
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if self.eval_batch_sampler is not None and not isinstance(dataset, (str, dict)):
+            return self._batch_loader(dataset, self.eval_batch_sampler)
+        if _yields_batches(dataset):
+            return self._batch_loader(dataset, None)
+        return super().get_eval_dataloader(eval_dataset)
 
     def _reset_window(self) -> None:
         self._window_loss_parts = None

@@ -1,0 +1,247 @@
+"""`fat5 pretrain`: UL2 pretraining of a FAT5 model, from a YAML config, in one command.
+
+The steps, in order: read the config (the built-in default when none is given), get a tokenizer (train one on the
+corpus when none is given), load and tokenize the corpus, build the packed UL2 batches, train with
+:class:`FAT5Trainer`, evaluate, and save the model and tokenizer to the output folder, where
+``AutoModelForSeq2SeqLM.from_pretrained(folder)`` (after ``import fat5``) and ``AutoTokenizer`` load them.
+"""
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from ..errors import FAT5Error
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "pretrain_default.yaml"
+SECTIONS = ("seed", "model", "tokenizer", "data", "ul2", "training")
+
+
+def load_config(config=None) -> dict:
+    """The built-in default updated, section by section, with ``config`` (a YAML path or a mapping)."""
+    with open(DEFAULT_CONFIG) as handle:
+        merged = yaml.safe_load(handle)
+    if config is None:
+        return merged
+    if not isinstance(config, dict):
+        path = Path(config)
+        if not path.is_file():
+            raise FAT5Error(f"no pretraining config at {path}")
+        try:
+            config = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise FAT5Error(f"{path} is not valid YAML: {error}") from None
+        if not isinstance(config, dict):
+            raise FAT5Error(f"{path} must hold a mapping with the sections {', '.join(SECTIONS)}")
+    unknown = set(config) - set(SECTIONS)
+    if unknown:
+        raise FAT5Error(f"unknown config sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
+    for section, value in config.items():
+        if isinstance(merged.get(section), dict) and isinstance(value, dict):
+            if section == "data" and "path" in value:
+                merged[section].pop("corpus", None)
+            merged[section].update(value)
+        else:
+            merged[section] = value
+    return merged
+
+
+def _texts_for_tokenizer(dataset, limit: int | None, text_column: str):
+    for index, record in enumerate(dataset):
+        if limit is not None and index >= limit:
+            return
+        yield record[text_column]
+
+
+def load_corpus(data: dict, seed: int):
+    """(train, eval) text datasets with a ``text`` column; eval is None when nothing is held out."""
+    from .data import load_shakespeare, load_text_dataset
+
+    if data.get("corpus") == "shakespeare":
+        fraction = data.get("eval_fraction", 0.0)
+        if fraction:
+            splits = load_shakespeare(unit=data.get("unit", "scene"), test_fraction=fraction, seed=seed)
+            return splits["train"], splits["test"]
+        return load_shakespeare(unit=data.get("unit", "scene")), None
+    if "path" not in data:
+        raise FAT5Error("the data section needs `corpus: shakespeare` or a `path` (dataset name, file or folder)")
+    options = dict(name=data.get("name"), data_files=data.get("data_files"), streaming=data.get("streaming", False),
+                   text_column=data.get("text_column", "text"))
+    try:
+        train = load_text_dataset(data["path"], split=data.get("split", "train"), **options)
+        evaluation = None
+        if data.get("eval_split"):
+            evaluation = load_text_dataset(data["path"], split=data["eval_split"], **dict(options, streaming=False))
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as error:
+        raise FAT5Error(f"cannot load the corpus {data['path']!r}: {error}") from None
+    return train, evaluation
+
+
+def get_tokenizer(settings: dict, train_texts, text_column: str, output_dir: Path, resume: bool = False):
+    """The configured tokenizer; else, when resuming, the one trained for this run; else a new one."""
+    from .tokenizer import load_tokenizer, train_tokenizer
+
+    path = settings.get("path") or (output_dir / "tokenizer" if resume else None)
+    if path:
+        try:
+            return load_tokenizer(path)
+        except (OSError, ValueError) as error:
+            raise FAT5Error(f"cannot load the tokenizer at {path}: {error}") from None
+    print(f"training a {settings.get('vocab_size', 4096)}-token tokenizer on the corpus", flush=True)
+    return train_tokenizer(
+        _texts_for_tokenizer(train_texts, settings.get("train_on_documents"), text_column),
+        vocab_size=settings.get("vocab_size", 4096),
+        num_sentinels=settings.get("num_sentinels", 256),
+        save_directory=str(output_dir / "tokenizer"),
+    )
+
+
+def build_model(model_settings: dict, tokenizer):
+    from .. import FAT5Config, FAT5ForConditionalGeneration
+
+    fields = dict(model_settings)
+    fields.update(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    try:
+        config = FAT5Config(**fields)
+    except (TypeError, ValueError) as error:
+        raise FAT5Error(f"invalid model section: {error}") from None
+    return FAT5ForConditionalGeneration(config)
+
+
+def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
+    """Run the whole pretraining job; returns a summary (losses, steps, where the model is).
+
+    ``config`` is a YAML path, a mapping, or None for the built-in default; ``resume`` continues from the last
+    checkpoint in ``output_dir``.
+    """
+    from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainingArguments, set_seed
+
+    from .collator import UL2DataCollator
+    from .data import tokenize_dataset
+    from .packing import PackedStreamDataset, UL2PackedBatchSampler
+    from .trainer import FAT5Trainer
+
+    settings = load_config(config)
+    output_dir = Path(output_dir or "outputs/fat5-pretrain")
+    checkpoint = None
+    if resume:
+        checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[-1]))
+        if not checkpoints:
+            raise FAT5Error(f"--resume: no checkpoint-* folder in {output_dir}")
+        checkpoint = str(checkpoints[-1])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    seed, data = int(settings.get("seed", 0)), settings["data"]
+    set_seed(seed)
+    text_column = "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
+
+    train_texts, eval_texts = load_corpus(data, seed)
+    tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir, resume)
+    model = build_model(settings["model"], tokenizer)
+    collator = UL2DataCollator(
+        tokenizer,
+        mixture=settings.get("ul2"),
+        max_input_length=data["max_input_length"],
+        max_target_length=data.get("max_target_length"),
+        packed=True,
+        seed=seed,
+    )
+    tokenize = dict(text_column=text_column, num_proc=data.get("num_proc"))
+    train = tokenize_dataset(train_texts, tokenizer, **tokenize)
+    batching = dict(tokens_per_batch=data["tokens_per_batch"], seed=seed)
+    train_sampler = None
+    if data.get("streaming"):
+        train = PackedStreamDataset(train, collator, **batching)
+    else:
+        train_sampler = UL2PackedBatchSampler(train["length"], collator.objective, **batching)
+    evaluation, eval_sampler = None, None
+    if eval_texts is not None:
+        evaluation = tokenize_dataset(eval_texts, tokenizer, **tokenize)
+        eval_sampler = UL2PackedBatchSampler(evaluation["length"], collator.objective, shuffle=False, **batching)
+
+    try:
+        arguments = Seq2SeqTrainingArguments(
+            output_dir=str(output_dir),
+            seed=seed,
+            remove_unused_columns=False,
+            **{key: value for key, value in settings["training"].items() if key != "output_dir"},
+        )
+    except (TypeError, ValueError) as error:
+        raise FAT5Error(f"invalid training section: {error}") from None
+    if evaluation is None and arguments.eval_strategy != "no":
+        arguments.eval_strategy = "no"
+    trainer = FAT5Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        processing_class=tokenizer,
+        train_batch_sampler=train_sampler,
+        eval_batch_sampler=eval_sampler,
+    )
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    metrics = trainer.evaluate() if evaluation is not None else {}
+
+    final = output_dir / "model"
+    _save_verified(trainer, tokenizer, final)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    summary = {
+        "output": str(final),
+        "steps": trainer.state.global_step,
+        "first_logged_loss": losses[0] if losses else None,
+        "last_logged_loss": losses[-1] if losses else None,
+        "train_loss": train_output.training_loss,
+        "eval_loss": metrics.get("eval_loss"),
+        "log_history": trainer.state.log_history,
+    }
+    with open(output_dir / "pretrain_summary.json", "w") as handle:
+        json.dump(summary, handle, indent=2)
+    # a last check that what was written is what users will load
+    AutoModelForSeq2SeqLM.from_pretrained(final)
+    return summary
+
+
+def _save_verified(trainer, tokenizer, final: Path) -> None:
+    """Save model and tokenizer to a temporary folder, load it back, then move it into place."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    temporary = final.with_name(final.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    trainer.save_model(str(temporary))
+    tokenizer.save_pretrained(str(temporary))
+    AutoModelForSeq2SeqLM.from_pretrained(temporary)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+
+
+def add_pretrain_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pretrain",
+        help="UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
+                        f"({DEFAULT_CONFIG.relative_to(CONFIG_DIR.parent.parent.parent)})")
+    parser.add_argument("--output-dir", default="outputs/fat5-pretrain", help="checkpoints and the final model/")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    parser.set_defaults(func=_run_pretrain)
+
+
+def _run_pretrain(args: argparse.Namespace) -> int:
+    summary = pretrain(args.config, args.output_dir, resume=args.resume)
+    first, last = summary["first_logged_loss"], summary["last_logged_loss"]
+    print(f"trained {summary['steps']} steps: loss {first:.3f} -> {last:.3f}"
+          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
+    print(f"model and tokenizer saved to {summary['output']}")
+    return 0
