@@ -280,7 +280,24 @@ def resolve_model_path(model: str) -> str:
         return str(folder.resolve())
     if folder.exists() or not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
         raise FAT5Error(f"model: {model} is not a model folder (no such directory) nor a Hub repo id")
+    _model_config(model)
     return model
+
+
+def _model_config(model_path: str):
+    """The FAT5Config saved at ``model_path`` (a folder or a Hub repo id); anything else is a FAT5Error."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FAT5Error(f"model: {model_path}: no such folder here, and no FAT5 model could be loaded from the Hub "
+                        f"under that name ({reason})") from None
+    if config.model_type != "fat5":
+        raise FAT5Error(f"model: {model_path} holds a {config.model_type!r} model, not a FAT5 one; convert it first: "
+                        f"fat5 convert {model_path} OUT_DIR")
+    return config
 
 
 def _model_class(task: str):
@@ -295,16 +312,7 @@ def _model_class(task: str):
 
 def load_model(task: str, model_path: str, model_kwargs: dict):
     """The task's FAT5 class from ``model_path`` (config fields in ``model_kwargs`` override the saved ones)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError) as error:
-        raise FAT5Error(f"model: cannot load the configuration of {model_path}: no such folder, or the Hub has no "
-                        f"such model or cannot be reached ({error})") from None
-    if config.model_type != "fat5":
-        raise FAT5Error(f"model: {model_path} holds a {config.model_type!r} model, not a FAT5 one; convert it first: "
-                        f"fat5 convert {model_path} OUT_DIR")
+    config = _model_config(model_path)
     head_fields = {"num_labels", "id2label", "label2id", "problem_type"}
     unknown = sorted(name for name in model_kwargs if name not in head_fields and not hasattr(config, name))
     if unknown:

@@ -97,7 +97,9 @@ def rouge_metric(tokenizer, rouge_types: Sequence[str] | None = None, use_stemme
     """A ``compute_metrics`` for `Seq2SeqTrainer` with ``predict_with_generate=True``: decodes the generated ids and
     the labels, and returns ROUGE F-measures (x100) and ``gen_len``, the mean generated length in tokens.
 
-    Matches transformers' ``run_summarization.py``: stemming on, one sentence per line for ``rougeLsum``.
+    As transformers' ``run_summarization.py`` computes them (stemming on, one sentence per line for ``rougeLsum``),
+    except that each score is the plain mean over the examples, the quantity `evaluate`'s bootstrap ``mid``
+    estimates with random resampling: the same predictions always give the same scores.
     """
 
     def compute_metrics(eval_prediction) -> dict:
@@ -106,8 +108,10 @@ def rouge_metric(tokenizer, rouge_types: Sequence[str] | None = None, use_stemme
         predictions = np.asarray(predictions)
         predicted_texts = [split_sentences(text) for text in _decode(tokenizer, predictions)]
         reference_texts = [split_sentences(text) for text in _decode(tokenizer, np.asarray(eval_prediction.label_ids))]
-        scores = rouge(predicted_texts, reference_texts, rouge_types=rouge_types, use_stemmer=use_stemmer)
-        result = {name: round(100.0 * value, 4) for name, value in scores.items()}
+        scores = rouge(
+            predicted_texts, reference_texts, rouge_types=rouge_types, use_aggregator=False, use_stemmer=use_stemmer
+        )
+        result = {name: round(100.0 * float(np.mean(values)), 4) for name, values in scores.items()}
         generated = (predictions >= 0) & (predictions != tokenizer.pad_token_id)
         result["gen_len"] = round(float(generated.sum(axis=-1).mean()), 4)
         return result
