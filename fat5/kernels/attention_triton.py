@@ -25,6 +25,7 @@ try:
         _backward_preprocess_kernel,
         _split_combine_kernel,
         _t5_bias_by_distance_kernel,
+        _t5_near_table_gradient_kernel,
     )
 except ImportError:  # CPU-only installs: attention.py only calls in here when triton is importable
     triton = None
@@ -50,24 +51,29 @@ class LaunchConfig:
 # (--sweep) on an H100; the Ampere ones follow the shapes FlashAttention-2 uses there and are untested.
 _CONFIGS = {
     "sm90": {
-        "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
-                    128: LaunchConfig(128, 64, 8, 3), 256: LaunchConfig(64, 32, 4, 2)},
+        "forward": {16: LaunchConfig(128, 64, 8, 3), 32: LaunchConfig(128, 64, 8, 3), 64: LaunchConfig(128, 64, 8, 3),
+                    128: LaunchConfig(128, 64, 8, 2), 256: LaunchConfig(64, 32, 4, 2)},
         "decode": {16: LaunchConfig(16, 128, 4, 4), 32: LaunchConfig(16, 128, 4, 4), 64: LaunchConfig(16, 128, 4, 4),
                    128: LaunchConfig(16, 64, 4, 4), 256: LaunchConfig(16, 32, 4, 3)},
-        "dkdv": {16: LaunchConfig(32, 128, 4, 3), 32: LaunchConfig(32, 128, 4, 3), 64: LaunchConfig(32, 128, 4, 3),
-                 128: LaunchConfig(64, 128, 8, 2), 256: LaunchConfig(32, 64, 4, 2)},
-        "dq": {16: LaunchConfig(128, 32, 4, 3), 32: LaunchConfig(128, 32, 4, 3), 64: LaunchConfig(128, 32, 4, 3),
+        "dkdv": {16: LaunchConfig(64, 128, 8, 3), 32: LaunchConfig(64, 128, 8, 3), 64: LaunchConfig(64, 128, 8, 3),
+                 128: LaunchConfig(64, 64, 8, 3), 256: LaunchConfig(32, 64, 4, 2)},
+        "dq": {16: LaunchConfig(128, 64, 8, 3), 32: LaunchConfig(128, 64, 8, 3), 64: LaunchConfig(128, 64, 8, 3),
                128: LaunchConfig(128, 64, 8, 2), 256: LaunchConfig(64, 32, 4, 2)},
+        # the near-tile table-gradient kernel uses the dkdv tiles; only its warps and stages are its own
+        "near": {16: LaunchConfig(0, 0, 8, 2), 32: LaunchConfig(0, 0, 8, 2), 64: LaunchConfig(0, 0, 8, 2),
+                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
     "sm80": {
         "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
                     128: LaunchConfig(128, 32, 8, 2), 256: LaunchConfig(64, 32, 4, 1)},
         "decode": {16: LaunchConfig(16, 128, 4, 3), 32: LaunchConfig(16, 128, 4, 3), 64: LaunchConfig(16, 128, 4, 3),
                    128: LaunchConfig(16, 64, 4, 3), 256: LaunchConfig(16, 32, 4, 2)},
-        "dkdv": {16: LaunchConfig(32, 64, 4, 2), 32: LaunchConfig(32, 64, 4, 2), 64: LaunchConfig(32, 128, 4, 2),
-                 128: LaunchConfig(32, 64, 4, 2), 256: LaunchConfig(16, 32, 4, 1)},
-        "dq": {16: LaunchConfig(64, 64, 4, 2), 32: LaunchConfig(64, 64, 4, 2), 64: LaunchConfig(64, 64, 4, 2),
-               128: LaunchConfig(64, 32, 4, 2), 256: LaunchConfig(32, 32, 4, 1)},
+        "dkdv": {16: LaunchConfig(32, 64, 4, 2), 32: LaunchConfig(32, 64, 4, 2), 64: LaunchConfig(64, 128, 8, 2),
+                 128: LaunchConfig(64, 64, 8, 2), 256: LaunchConfig(16, 32, 4, 1)},
+        "dq": {16: LaunchConfig(64, 64, 4, 2), 32: LaunchConfig(64, 64, 4, 2), 64: LaunchConfig(128, 64, 8, 2),
+               128: LaunchConfig(128, 32, 8, 2), 256: LaunchConfig(32, 32, 4, 1)},
+        "near": {16: LaunchConfig(0, 0, 4, 2), 32: LaunchConfig(0, 0, 4, 2), 64: LaunchConfig(0, 0, 8, 2),
+                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
 }
 # fp32 inputs use exact ("ieee") dot products: small tiles keep them in registers and shared memory
@@ -76,8 +82,11 @@ _FP32_DECODE_CONFIG = LaunchConfig(16, 32, 4, 2)
 # under TRITON_INTERPRET=1 small tiles keep the tests' tiny shapes multi-block (and the interpreter fast)
 _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
-# Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
+# Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq" | "near": LaunchConfig} wins over
+# the tables.
 CONFIG_OVERRIDES: dict = {}
+# Diagonals of a near T5 tile re-read per step of the table-gradient reduction (registers of the skewed read).
+_DIAGONAL_CHUNK = 32
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -344,58 +353,70 @@ def _backward(
             HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
         )
         distance_grad = dbias = None
-        if table_grad:
-            distance_grad = torch.zeros(
-                problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3, dtype=torch.float32, device=device
-            )
+        if table_grad:  # rows of sums per relative position: [0] far tiles (dk/dv kernel), [1] near tiles
+            distance_grad = torch.zeros(2, problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
+                                        dtype=torch.float32, device=device)
         if bias_grad:
             dbias = torch.zeros(
                 problem.batch, problem.num_heads, problem.seqlen_q, problem.seqlen_k, dtype=torch.float32, device=device
             )
         common = {
-            "HEAD_DIM": problem.head_dim, "POSITION": _POSITION_CODES[position_encoding], "MAX_DISTANCE": max_distance_arg,
-            "CAUSAL": causal, "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
+            "HEAD_DIM": problem.head_dim, "MAX_DISTANCE": max_distance_arg, "CAUSAL": causal,
+            "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
             "INPUT_PRECISION": _input_precision(query.dtype),
         }
-        pointers = (
-            dummy if padding is None else padding, dummy if bias is None else bias,
-        )
+        padding_pointer = dummy if padding is None else padding
+        bias_pointer = dummy if bias is None else bias
         cu_pointers = (
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
         )
         shape_arguments = (
-            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634, scale,
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
         )
-        _attention_backward_dkdv_kernel[(num_n_blocks, problem.batch * problem.num_heads)](
-            query, key, value, grad_out, lse, delta, dq, dk, dv,
-            *pointers, dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias,
-            *cu_pointers,
+        grid = (num_n_blocks, problem.batch * problem.num_heads)
+        _attention_backward_dkdv_kernel[grid](
+            query, key, value, grad_out, lse, delta, dk, dv, padding_pointer, bias_pointer,
+            dummy if distance_grad is None else distance_grad[0], dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
             *_row_stats_strides(lse, problem),
             0 if padding is None else padding.stride(0),
             *bias_strides,
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
-            *shape_arguments,
-            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad,
-            DIAGONALS_PAD=triton.next_power_of_2(dkdv_config.block_m + dkdv_config.block_n - 1),
-            DISTANCES_PAD=triton.next_power_of_2(2 * max_distance_arg + 3),
-            **common, **_launch_kwargs(dkdv_config, device),
+            *shape_arguments, scale,
+            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position_encoding],
+            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, **common, **_launch_kwargs(dkdv_config, device),
         )
+        if table_grad:
+            near_config = _config("near", device, problem.head_dim, query.dtype)
+            # one (key block x query block) fp32 tile per program, for the skewed re-read of near tiles
+            scratch = torch.empty(grid[0] * grid[1], dkdv_config.block_m * dkdv_config.block_n,
+                                  dtype=torch.float32, device=device)
+            _t5_near_table_gradient_kernel[grid](
+                query, key, value, grad_out, lse, delta, padding_pointer, bias, distance_grad[1], scratch,
+                *cu_pointers,
+                *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+                *_token_strides(grad_out, problem), *_row_stats_strides(lse, problem),
+                0 if padding is None else padding.stride(0), bias.stride(0),
+                *shape_arguments,
+                BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,  # the dk/dv kernel's tiles: same far tiles
+                DIAGONAL_CHUNK=_DIAGONAL_CHUNK if device.type == "cuda" else 8,  # several chunks in the CPU tests
+                **common, **_launch_kwargs(near_config, device),
+            )
         _attention_backward_dq_kernel[(triton.cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
-            query, key, value, grad_out, lse, delta, dq,
-            *pointers, *cu_pointers,
+            query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dq, problem),
             *_row_stats_strides(lse, problem),
             0 if padding is None else padding.stride(0),
             *bias_strides,
-            *shape_arguments,
-            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, **common, **_launch_kwargs(dq_config, device),
+            *shape_arguments, scale,
+            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position_encoding],
+            **common, **_launch_kwargs(dq_config, device),
         )
     position_gradient = query.new_empty(0)
     if table_grad:
-        per_distance = distance_grad.sum(dim=(0, 1))  # (heads, distances): a fixed-order reduction, deterministic
+        per_distance = distance_grad.sum(dim=(0, 1, 2))  # (heads, distances): a fixed-order reduction, deterministic
         one_hot = (buckets[:, None].long() == torch.arange(num_buckets, device=device)[None, :]).float()
         position_gradient = (per_distance[:, :, None] * one_hot[None]).sum(dim=1).t().to(position_tensor.dtype)
     elif bias_grad:

@@ -13,8 +13,9 @@ Conventions shared by every kernel here:
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
   from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum; a near
-  tile is reduced along its diagonals (equal ``rel``) through ``tl.gather`` and accumulated per relative position
-  in registers, so each program writes one fp32 row of partial sums: no atomics, deterministic.
+  tile is summed along its diagonals (equal ``rel``) by a skewed re-read through a per-program scratch tile, into
+  that program's own fp32 row of sums per relative position: no atomics, deterministic. The rows are reduced in a
+  fixed order and mapped to buckets afterwards.
 * Each program splits its loop over the other axis into ranges with compile-time behaviour: tiles that need no
   causal/boundary mask, split for T5 into far-left, near and far-right, and the tiles that need masking.
 """
@@ -25,7 +26,7 @@ try:
 except ImportError as error:  # attention_triton.py catches this: CPU-only installs never launch these kernels
     raise ImportError("fat5's Triton attention kernels need the `triton` package") from error
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 POSITION_NONE = tl.constexpr(0)
 POSITION_T5 = tl.constexpr(1)
@@ -479,50 +480,87 @@ def _backward_preprocess_kernel(
 
 
 @triton.jit
-def _accumulate_diagonals(
-    distance_acc,
-    ds_t,
-    base_relative,
+def _query_ranges(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    query_offset,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_DISTANCE: tl.constexpr,
-    DIAGONALS_PAD: tl.constexpr,
-    DISTANCES_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    """Add the (keys, queries) tile ``ds_t`` into ``distance_acc[rel + D + 1]``, rel = base_relative + jl - il.
+    """Query-block ranges for the key block at ``start_n``: [lo, clean_start) needs the causal or key-boundary
+    mask (a partial key block masks every tile); the unmasked rest splits into [clean_start, far_right_end) far-right
+    (queries far before the keys), [far_right_end, far_left_start) near, [far_left_start, num_m_blocks) far-left."""
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        block_lo = tl.minimum(tl.maximum(start_n - query_offset, 0) // BLOCK_M, num_m_blocks)
+        clean_start = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - query_offset, 0), BLOCK_M), block_lo)
+        clean_start = tl.minimum(clean_start, num_m_blocks)
+    else:
+        block_lo = 0
+        clean_start = 0
+    clean_start = tl.where(start_n + BLOCK_N > seqlen_k, num_m_blocks, clean_start)
+    far_right_end = tl.minimum(tl.maximum(_floor_div(start_n - query_offset - MAX_DISTANCE, BLOCK_M), clean_start),
+                               num_m_blocks)
+    far_left_start = tl.minimum(
+        tl.maximum(_ceil_div(start_n + BLOCK_N + MAX_DISTANCE - query_offset, BLOCK_M), far_right_end), num_m_blocks
+    )
+    return num_m_blocks, block_lo, clean_start, far_right_end, far_left_start
 
-    Diagonal t of the tile (rel = base_relative + t - (BLOCK_M - 1)) is summed by gathering, for every query
-    column il, the key row jl = t + il - (BLOCK_M - 1); relative positions beyond +-(D + 1) go to the end slots.
-    """
-    diagonal = tl.arange(0, DIAGONALS_PAD)
-    columns = tl.arange(0, BLOCK_M)
-    source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
-    on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
-    gathered = tl.gather(ds_t, tl.minimum(tl.maximum(source_rows, 0), BLOCK_N - 1), axis=0)
-    diagonal_sums = tl.sum(tl.where(on_tile, gathered, 0.0), axis=1)
-    relative = base_relative + diagonal - (BLOCK_M - 1)
-    real_diagonal = diagonal < BLOCK_M + BLOCK_N - 1
-    left = tl.sum(tl.where(real_diagonal & (relative <= -(MAX_DISTANCE + 1)), diagonal_sums, 0.0), axis=0)
-    right = tl.sum(tl.where(real_diagonal & (relative >= MAX_DISTANCE + 1), diagonal_sums, 0.0), axis=0)
-    slots = tl.arange(0, DISTANCES_PAD)
-    source_diagonal = slots - (MAX_DISTANCE + 1) - base_relative + (BLOCK_M - 1)
-    inner = (slots >= 1) & (slots <= 2 * MAX_DISTANCE + 1)
-    inner = inner & (source_diagonal >= 0) & (source_diagonal < BLOCK_M + BLOCK_N - 1)
-    moved = tl.gather(diagonal_sums, tl.minimum(tl.maximum(source_diagonal, 0), DIAGONALS_PAD - 1), axis=0)
-    distance_acc += tl.where(inner, moved, 0.0)
-    distance_acc += tl.where(slots == 0, left, 0.0) + tl.where(slots == 2 * MAX_DISTANCE + 2, right, 0.0)
-    return distance_acc
+
+@triton.jit
+def _backward_tile_ds(
+    k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+    bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POSITION: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """For query block ``block`` against this program's keys: (q, do, p^T, ds^T), the (keys, queries) tiles of the
+    probabilities and of the score gradient."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    query_positions = rows + query_offset
+    in_rows = rows < seqlen_q
+    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    # rows past the end get lse = +inf: their probabilities are 0 without a score mask
+    lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
+    scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
+    scores_t = _score_bias(
+        scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+        bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
+    )
+    if APPLY_MASK:
+        visible = keys[:, None] < seqlen_k
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= query_positions[None, :])
+        scores_t = tl.where(visible, scores_t, float("-inf"))
+    p_t = tl.math.exp2(scores_t - lse[None, :])
+    if HAS_PADDING:
+        p_t = tl.where(key_keep[:, None], p_t, 0.0)
+    do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+    delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    return q, do, p_t, ds_t
 
 
 @triton.jit
 def _backward_dkdv_inner(
-    dk, dv, distance_acc, far_sum, k, v, keys, key_keep,
+    dk, dv, far_sum, k, v, keys, key_keep,
     q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
     bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-    seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n,
+    seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar,
     block_start, block_end,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
     BIAS_MODE: tl.constexpr,
@@ -532,55 +570,64 @@ def _backward_dkdv_inner(
     HAS_PADDING: tl.constexpr,
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
-    DIAGONALS_PAD: tl.constexpr,
-    DISTANCES_PAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     for block in range(block_start, block_end):
-        rows = block * BLOCK_M + offs_m
-        query_positions = rows + query_offset
-        in_rows = rows < seqlen_q
-        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-        # rows past the end get lse = +inf: their probabilities are 0 without a score mask
-        lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
-        scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-        scores_t = _score_bias(
-            scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
+        q, do, p_t, ds_t = _backward_tile_ds(
+            k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+            bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, INPUT_PRECISION,
         )
-        if APPLY_MASK:
-            visible = keys[:, None] < seqlen_k
-            if CAUSAL:
-                visible = visible & (keys[:, None] <= query_positions[None, :])
-            scores_t = tl.where(visible, scores_t, float("-inf"))
-        p_t = tl.math.exp2(scores_t - lse[None, :])
-        if HAS_PADDING:
-            p_t = tl.where(key_keep[:, None], p_t, 0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        if TABLE_GRAD:
-            if BIAS_MODE == BIAS_SCALAR:
-                far_sum += tl.sum(tl.sum(ds_t, axis=1), axis=0)
-            else:
-                distance_acc = _accumulate_diagonals(
-                    distance_acc, ds_t, start_n - query_offset - block * BLOCK_M,
-                    BLOCK_M, BLOCK_N, MAX_DISTANCE, DIAGONALS_PAD, DISTANCES_PAD,
-                )
+        if TABLE_GRAD:  # a far tile: one bucket, its share of the table gradient is the tile sum
+            far_sum += tl.sum(tl.sum(ds_t, axis=1), axis=0)
         if BIAS_GRAD:
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(dbias_base + rows[None, :] * stride_dbias_m + keys[:, None] * stride_dbias_n, ds_t,
-                     mask=in_rows[None, :] & (keys[:, None] < seqlen_k))
-    return dk, dv, distance_acc, far_sum
+                     mask=(rows[None, :] < seqlen_q) & (keys[:, None] < seqlen_k))
+    return dk, dv, far_sum
+
+
+@triton.jit
+def _key_block_setup(
+    K, V, KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mask_b, stride_bias_h,
+    num_heads, seqlen_q, seqlen_k, pid_n, pid_bh,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POSITION: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """What the programs over one key block share: coordinates, the block's keys, values and padding flags."""
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    q_start, seqlen_q, k_start, seqlen_k = _program_coordinates(
+        CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, IS_VARLEN
+    )
+    start_n = pid_n * BLOCK_N
+    keys = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    in_keys = keys[:, None] < seqlen_k
+    k = tl.load(K + batch64 * stride_kb + head64 * stride_kh + (k_start + keys[:, None]) * stride_kn + offs_d[None, :],
+                mask=in_keys, other=0.0)
+    v = tl.load(V + batch64 * stride_vb + head64 * stride_vh + (k_start + keys[:, None]) * stride_vn + offs_d[None, :],
+                mask=in_keys, other=0.0)
+    key_keep = keys < seqlen_k
+    if HAS_PADDING:
+        key_keep = tl.load(KeyPaddingMask + batch64 * stride_mask_b + keys, mask=keys < seqlen_k, other=0) != 0
+    bias_scalar = 0.0
+    if POSITION == POSITION_ALIBI:
+        bias_scalar = tl.load(Bias + head).to(tl.float32) * LOG2E
+    return batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar
 
 
 @triton.jit
 def _attention_backward_dkdv_kernel(
-    Q, K, V, GradOut, Lse, Delta, DQ, DK, DV,
+    Q, K, V, GradOut, Lse, Delta, DK, DV,
     KeyPaddingMask, Bias, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -603,123 +650,197 @@ def _attention_backward_dkdv_kernel(
     IS_VARLEN: tl.constexpr,
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
-    DIAGONALS_PAD: tl.constexpr,
-    DISTANCES_PAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """dk and dv of one key block, looping over the query blocks; for T5 also this block's table-gradient row."""
+    """dk and dv of one key block, looping over the query blocks. For T5 it also writes the far tiles' share of
+    the table gradient (two tile sums) into the end slots of this block's row of ``DistanceGrad``; the near tiles'
+    share comes from ``_t5_near_table_gradient_kernel``."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
-    q_start, seqlen_q, k_start, seqlen_k = _program_coordinates(
-        CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, IS_VARLEN
+    batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar = (
+        _key_block_setup(
+            K, V, KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mask_b, stride_bias_h,
+            num_heads, seqlen_q, seqlen_k, pid_n, pid_bh, BLOCK_N, HEAD_DIM, POSITION, HAS_PADDING, IS_VARLEN,
+        )
     )
-    start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
-    keys = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    batch64 = batch.to(tl.int64)
-    head64 = head.to(tl.int64)
-    in_keys = keys[:, None] < seqlen_k
-    k = tl.load(K + batch64 * stride_kb + head64 * stride_kh + (k_start + keys[:, None]) * stride_kn + offs_d[None, :],
-                mask=in_keys, other=0.0)
-    v = tl.load(V + batch64 * stride_vb + head64 * stride_vh + (k_start + keys[:, None]) * stride_vn + offs_d[None, :],
-                mask=in_keys, other=0.0)
-    key_keep = keys < seqlen_k
-    if HAS_PADDING:
-        key_keep = tl.load(KeyPaddingMask + batch64 * stride_mask_b + keys, mask=keys < seqlen_k, other=0) != 0
     q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
     do_base = GradOut + batch64 * stride_gb + head64 * stride_gh + q_start * stride_gm
     lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
     delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
-    bias_base = Bias
-    bias_scalar = 0.0
-    if POSITION == POSITION_T5:
-        bias_base = Bias + head * stride_bias_h
-    elif POSITION == POSITION_ALIBI:
-        bias_scalar = tl.load(Bias + head).to(tl.float32) * LOG2E
-    elif POSITION == POSITION_BIAS:
-        bias_base = Bias + batch64 * stride_bias_b + head64 * stride_bias_h
+    bias_base = Bias + batch64 * stride_bias_b + head64 * stride_bias_h
     dbias_base = DBias + batch64 * stride_dbias_b + head64 * stride_dbias_h
-
-    # query-block ranges: [lo, clean_start) causal diagonal (masked), then unmasked blocks split for T5 into
-    # far-right (queries far before the keys), near and far-left; a partial key block masks every tile
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
-    if CAUSAL:
-        block_lo = tl.minimum(tl.maximum(start_n - query_offset, 0) // BLOCK_M, num_m_blocks)
-        clean_start = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - query_offset, 0), BLOCK_M), block_lo)
-        clean_start = tl.minimum(clean_start, num_m_blocks)
-    else:
-        block_lo = 0
-        clean_start = 0
-    if start_n + BLOCK_N > seqlen_k:
-        clean_start = num_m_blocks
-    far_right_end = tl.minimum(tl.maximum(_floor_div(start_n - query_offset - MAX_DISTANCE, BLOCK_M), clean_start),
-                               num_m_blocks)
-    far_left_start = tl.minimum(
-        tl.maximum(_ceil_div(start_n + BLOCK_N + MAX_DISTANCE - query_offset, BLOCK_M), far_right_end), num_m_blocks
+    num_m_blocks, block_lo, clean_start, far_right_end, far_left_start = _query_ranges(
+        start_n, seqlen_q, seqlen_k, query_offset, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
     )
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    distance_acc = tl.zeros([DISTANCES_PAD], dtype=tl.float32)
     far_left_sum = tl.zeros([], dtype=tl.float32)
     far_right_sum = tl.zeros([], dtype=tl.float32)
     unused_sum = tl.zeros([], dtype=tl.float32)
-    dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
-        dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
-        q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+    dk, dv, unused_sum = _backward_dkdv_inner(
+        dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
         bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-        seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, block_lo, clean_start,
-        BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
-        TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block_lo, clean_start,
+        BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        False, BIAS_GRAD, INPUT_PRECISION,
     )
     if POSITION == POSITION_T5:
-        dk, dv, distance_acc, far_right_sum = _backward_dkdv_inner(
-            dk, dv, distance_acc, far_right_sum, k, v, keys, key_keep,
-            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base + 2 * MAX_DISTANCE + 2), start_n,
+        dk, dv, far_right_sum = _backward_dkdv_inner(
+            dk, dv, far_right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base + 2 * MAX_DISTANCE + 2),
             clean_start, far_right_end,
-            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, INPUT_PRECISION,
         )
-        dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
-            dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
-            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, far_right_end, far_left_start,
-            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        dk, dv, unused_sum = _backward_dkdv_inner(
+            dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, far_right_end, far_left_start,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            False, BIAS_GRAD, INPUT_PRECISION,
         )
-        dk, dv, distance_acc, far_left_sum = _backward_dkdv_inner(
-            dk, dv, distance_acc, far_left_sum, k, v, keys, key_keep,
-            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base), start_n, far_left_start, num_m_blocks,
-            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        dk, dv, far_left_sum = _backward_dkdv_inner(
+            dk, dv, far_left_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, tl.load(bias_base), far_left_start, num_m_blocks,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, INPUT_PRECISION,
         )
     else:
-        dk, dv, distance_acc, unused_sum = _backward_dkdv_inner(
-            dk, dv, distance_acc, unused_sum, k, v, keys, key_keep,
-            q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, start_n, clean_start, num_m_blocks,
-            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-            TABLE_GRAD, BIAS_GRAD, DIAGONALS_PAD, DISTANCES_PAD, INPUT_PRECISION,
+        dk, dv, unused_sum = _backward_dkdv_inner(
+            dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, clean_start, num_m_blocks,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            False, BIAS_GRAD, INPUT_PRECISION,
         )
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_keys = keys[:, None] < seqlen_k
     dk_base = DK + batch64 * stride_dkb + head64 * stride_dkh + k_start * stride_dkn
     dv_base = DV + batch64 * stride_dvb + head64 * stride_dvh + k_start * stride_dvn
     tl.store(dk_base + keys[:, None] * stride_dkn + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=in_keys)
     tl.store(dv_base + keys[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=in_keys)
     if TABLE_GRAD:
-        slots = tl.arange(0, DISTANCES_PAD)
-        distance_acc += tl.where(slots == 0, far_left_sum, 0.0) + tl.where(slots == 2 * MAX_DISTANCE + 2, far_right_sum, 0.0)
-        row = (batch64 * tl.num_programs(0) + pid_n) * num_heads + head
-        tl.store(DistanceGrad + row * (2 * MAX_DISTANCE + 3) + slots, distance_acc, mask=slots < 2 * MAX_DISTANCE + 3)
+        distance_row = DistanceGrad + ((batch64 * tl.num_programs(0) + pid_n) * num_heads + head64) * (
+            2 * MAX_DISTANCE + 3)
+        tl.store(distance_row, far_left_sum)
+        tl.store(distance_row + 2 * MAX_DISTANCE + 2, far_right_sum)
+
+
+@triton.jit
+def _near_table_gradient_inner(
+    left_sum, right_sum, k, v, keys, key_keep,
+    q_base, do_base, stride_qm, stride_dom, lse_base, delta_base, bias_base,
+    scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n,
+    block_start, block_end,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    DIAGONAL_CHUNK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    columns = tl.arange(0, BLOCK_M)
+    for block in range(block_start, block_end):
+        _, _, _, ds_t = _backward_tile_ds(
+            k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
+            bias_base, 0, 0, seqlen_q, seqlen_k, query_offset, qk_scale, 0.0, block,
+            BLOCK_M, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING,
+            INPUT_PRECISION,
+        )
+        # ds_t[jl, il] has rel = base + jl - il: diagonal t = jl - il + BLOCK_M - 1 holds rel = base + t - (BM - 1).
+        # The tile goes through this program's scratch and is re-read skewed, DIAGONAL_CHUNK diagonals at a time.
+        base = start_n - query_offset - block * BLOCK_M
+        tl.debug_barrier()  # the previous tile's skewed reads are done before the tile is overwritten
+        tl.store(scratch + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + columns[None, :], ds_t)
+        tl.debug_barrier()
+        for chunk in tl.static_range(0, BLOCK_M + BLOCK_N - 1, DIAGONAL_CHUNK):
+            diagonal = chunk + tl.arange(0, DIAGONAL_CHUNK)
+            source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
+            on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
+            sums = tl.sum(tl.load(scratch + source_rows * BLOCK_M + columns[None, :], mask=on_tile, other=0.0,
+                                  volatile=True), axis=1)
+            slot = base + diagonal - (BLOCK_M - 1) + MAX_DISTANCE + 1
+            real = diagonal < BLOCK_M + BLOCK_N - 1
+            left_sum += tl.sum(tl.where(real & (slot <= 0), sums, 0.0), axis=0)
+            right_sum += tl.sum(tl.where(real & (slot >= 2 * MAX_DISTANCE + 2), sums, 0.0), axis=0)
+            inner = real & (slot > 0) & (slot < 2 * MAX_DISTANCE + 2)
+            # each slot of the row is one diagonal of this tile: a read-modify-write by the same threads
+            previous = tl.load(distance_row + slot, mask=inner, other=0.0)
+            tl.store(distance_row + slot, previous + sums, mask=inner)
+    return left_sum, right_sum
+
+
+@triton.jit
+def _t5_near_table_gradient_kernel(
+    Q, K, V, GradOut, Lse, Delta, KeyPaddingMask, Bias, DistanceGrad, Scratch, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_gb, stride_gh, stride_gm,
+    stride_lse_b, stride_lse_h,
+    stride_mask_b,
+    stride_bias_h,
+    num_heads, seqlen_q, seqlen_k, query_offset, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DIAGONAL_CHUNK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """The near tiles' share of the T5 table gradient, per relative position, for one key block.
+
+    The same tiles as ``_attention_backward_dkdv_kernel`` (same block sizes), restricted to those it does not sum
+    as far tiles: the masked ones and the near ones. It recomputes their probabilities and score gradients (two
+    products per tile) so that the dk/dv kernel keeps its registers for dk and dv.
+    """
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch64, head64, q_start, seqlen_q, _, seqlen_k, start_n, keys, k, v, key_keep, _ = _key_block_setup(
+        K, V, KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mask_b, stride_bias_h,
+        num_heads, seqlen_q, seqlen_k, pid_n, pid_bh, BLOCK_N, HEAD_DIM, POSITION_T5, HAS_PADDING, IS_VARLEN,
+    )
+    if start_n >= seqlen_k:
+        return
+    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
+    do_base = GradOut + batch64 * stride_gb + head64 * stride_gh + q_start * stride_gm
+    lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    bias_base = Bias + head64 * stride_bias_h
+    program = (batch64 * tl.num_programs(0) + pid_n) * num_heads + head64
+    scratch = Scratch + program * (BLOCK_N * BLOCK_M)
+    distance_row = DistanceGrad + program * (2 * MAX_DISTANCE + 3)
+    _, block_lo, clean_start, far_right_end, far_left_start = _query_ranges(
+        start_n, seqlen_q, seqlen_k, query_offset, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
+    )
+    left_sum = tl.zeros([], dtype=tl.float32)
+    right_sum = tl.zeros([], dtype=tl.float32)
+    left_sum, right_sum = _near_table_gradient_inner(
+        left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, clean_start,
+        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
+    )
+    left_sum, right_sum = _near_table_gradient_inner(
+        left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
+        far_left_start,
+        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
+    )
+    tl.store(distance_row, left_sum)
+    tl.store(distance_row + 2 * MAX_DISTANCE + 2, right_sum)
 
 
 @triton.jit

@@ -1,0 +1,554 @@
+"""Attention with a position bias: FAT5's Triton kernels against their peers, in one process on one GPU.
+
+bf16, heads 12, batch x length = 16384 tokens, length 512..16384, encoder (bidirectional, no mask) and decoder
+(causal, T5's unidirectional buckets); the bucket table (32 x heads) receives its gradient wherever there is one.
+
+Peers: SDPA flash with no bias (the ceiling: what attention costs without a position bias), FlexAttention with
+the same bias as a ``score_mod`` (compiled), SDPA with the bias materialised as an (heads, L, L) tensor. Tables:
+T5 at head_dim 64 and 128, ALiBi at 64; a decoding step (1 query against a 4k..32k cache) against memory bandwidth.
+
+Method (see ../shared/BENCHMARKS.md): every variant is first checked against the fp32 reference (relative error of
+the output and of every gradient); times are ``triton.testing.do_bench`` medians; FLOPs are 4·B·H·L²·D for the
+forward (halved when causal) and 3.5 times that for forward+backward; peak memory is
+``max_memory_allocated`` during forward+backward minus what was allocated before (the inputs).
+
+Compilation (Triton kernels, FlexAttention) happens first, in parallel worker processes that fill the on-disk
+caches; the timing itself runs in this process, one variant at a time.
+
+    python benchmarks/attention.py --out benchmarks/results/attention.json
+    python benchmarks/attention.py --sweep --out benchmarks/results/attention_sweep.json
+    python benchmarks/attention.py --plot-only benchmarks/results/attention.json
+"""
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import markdown_table, write_result
+
+DEVICE = "cuda"
+TOKENS = 16384
+HEADS = 12
+NUM_BUCKETS = 32
+MAX_DISTANCE = 128
+LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
+DECODE_CACHES = [4096, 8192, 16384, 32768]
+DECODE_BATCH = 8
+# the materialised bias costs O(L^2) memory and its table gradient is an index backward over L^2 elements
+# (0.1 TFLOP/s at 8192 in BENCHMARKS.md): measured only where it fits in a few seconds
+MATERIALISED_MAX_LENGTH = {"forward": 4096, "forward_backward": 2048}
+TABLES = [  # (name, position encoding, head_dim, peers)
+    ("t5_d64", "t5", 64, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
+    ("t5_d128", "t5", 128, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
+    ("alibi_d64", "alibi", 64, ("sdpa_flash_no_bias", "fat5", "flex")),
+]
+SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages), "near" takes the dkdv tiles
+    "forward": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                (128, 64, 4, 3), (128, 32, 4, 3)],
+    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3),
+             (64, 64, 8, 3), (128, 128, 8, 2)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3)],
+    "near": [(0, 0, 8, 2), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 4, 3)],
+    "decode": [(16, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 256, 8, 3), (16, 64, 4, 6), (16, 128, 8, 4)],
+}
+SWEEP_D128 = {
+    "forward": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)],
+    "dkdv": [(64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2)],
+    "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    "near": [(0, 0, 8, 2), (0, 0, 4, 2)],
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The implementations
+
+
+def t5_bucket_torch(relative, bidirectional):
+    """T5's bucket function written with the ops FlexAttention's score_mod accepts (fp32 log, as in T5)."""
+    num_buckets = NUM_BUCKETS // 2 if bidirectional else NUM_BUCKETS
+    if bidirectional:
+        offset = (relative > 0).to(torch.int64) * num_buckets
+        distance = relative.abs()
+    else:
+        offset = 0
+        distance = (-relative).clamp(min=0)
+    max_exact = num_buckets // 2
+    log_ratio = torch.log(distance.float() / max_exact) / math.log(MAX_DISTANCE / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.int64)).clamp(max=num_buckets - 1)
+    return offset + torch.where(distance < max_exact, distance, large)
+
+
+def implementation(name, position_encoding, causal, length, head_dim):
+    """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fat5.kernels.attention import attention
+
+    bidirectional = not causal
+    if name == "sdpa_flash_no_bias":
+        def run(q, k, v, position):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+        return run
+    if name == "fat5":
+        def run(q, k, v, position):
+            return attention(
+                q, k, v, causal=causal, position_encoding=position_encoding, bidirectional=bidirectional,
+                relative_attention_bias=position if position_encoding == "t5" else None,
+                alibi_slopes=position if position_encoding == "alibi" else None, backend="triton",
+            )
+        return run
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = _compiled_flex(flex_attention)
+        block_mask = None
+        if causal:
+            block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, length, length, device=DEVICE)
+
+        def run(q, k, v, position):
+            if position_encoding == "t5":
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return score + position[t5_bucket_torch(kv_idx - q_idx, bidirectional), h].to(score.dtype)
+            else:
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return score - position[h] * (kv_idx - q_idx).abs().to(score.dtype)
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+        return run
+    if name == "sdpa_materialised":
+        from fat5.kernels.position_bias import t5_position_bias
+
+        def run(q, k, v, position):
+            bias = t5_position_bias(position, length, length, 0, bidirectional, NUM_BUCKETS, MAX_DISTANCE)
+            if causal:
+                hidden = torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)
+                bias = bias.masked_fill(hidden, float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
+        return run
+    raise ValueError(name)
+
+
+_FLEX = {}
+
+
+def _compiled_flex(flex_attention):
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["compiled"]
+
+
+def make_inputs(batch, length, head_dim, position_encoding, seed=0, dtype=torch.bfloat16):
+    from fat5.kernels.position_bias import alibi_slopes
+
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
+
+    def tensor(scale):
+        x = torch.randn(batch, HEADS, length, head_dim, device=DEVICE, generator=generator) * scale
+        return x.to(dtype).requires_grad_()
+
+    q, k, v = tensor(std), tensor(std), tensor(1.0)
+    if position_encoding == "t5":
+        position = (torch.randn(NUM_BUCKETS, HEADS, device=DEVICE, generator=generator) * 2).requires_grad_()
+    else:
+        position = alibi_slopes(HEADS).to(DEVICE) * 8  # large slopes make the bias matter at the unit scores used
+    return q, k, v, position
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measurements
+
+
+def flops(batch, length, head_dim, causal, forward_backward):
+    forward = 4 * batch * HEADS * length * length * head_dim / (2 if causal else 1)
+    return forward * (3.5 if forward_backward else 1.0)
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TOKENS // 1024):
+    """Relative errors of the output and every gradient against the fp32 reference (the bias-free ceiling is
+    compared with the bias-free reference)."""
+    from fat5.kernels.attention import attention
+
+    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding, seed=1)
+    run = implementation(name, position_encoding, causal, length, head_dim)
+    out = run(q, k, v, position)
+    grad_out = torch.randn_like(out)
+    differentiable = [q, k, v] + ([position] if position.requires_grad and name != "sdpa_flash_no_bias" else [])
+    grads = torch.autograd.grad(out, differentiable, grad_out)
+    reference = [t.detach().float().requires_grad_() for t in (q, k, v, position)]
+    expected = attention(
+        *reference[:3], causal=causal, backend="reference",
+        position_encoding="none" if name == "sdpa_flash_no_bias" else position_encoding,
+        bidirectional=not causal, relative_attention_bias=reference[3] if position_encoding == "t5" else None,
+        alibi_slopes=reference[3] if position_encoding == "alibi" else None,
+    )
+    expected_grads = torch.autograd.grad(expected, reference[: len(differentiable)], grad_out.float())
+    errors = {"output": relative_error(out, expected)}
+    for label, grad, expected_grad in zip(("dq", "dk", "dv", "dtable"), grads, expected_grads):
+        errors[label] = relative_error(grad, expected_grad)
+    return errors
+
+
+def timed(name, position_encoding, causal, length, head_dim, forward_backward):
+    import triton.testing
+
+    batch = TOKENS // length
+    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding)
+    run = implementation(name, position_encoding, causal, length, head_dim)
+    if not forward_backward:
+        ms = triton.testing.do_bench(lambda: run(q, k, v, position), warmup=25, rep=100, return_mode="median")
+        return {"ms": ms, "tflops": flops(batch, length, head_dim, causal, False) / ms / 1e9}
+    grad_out = torch.randn(batch, HEADS, length, head_dim, device=DEVICE, dtype=q.dtype)
+    leaves = [q, k, v] + ([position] if position.requires_grad else [])
+
+    def step():
+        run(q, k, v, position).backward(grad_out)
+
+    step()
+    torch.cuda.synchronize()
+    for leaf in leaves:
+        leaf.grad = None
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    return {"ms": ms, "tflops": flops(batch, length, head_dim, causal, True) / ms / 1e9, "peak_mib": peak_mib}
+
+
+def decoding(cache, name):
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fat5.kernels.attention import attention
+
+    generator = torch.Generator(device=DEVICE).manual_seed(2)
+    q = torch.randn(DECODE_BATCH, HEADS, 1, 64, device=DEVICE, generator=generator, dtype=torch.bfloat16)
+    k, v = (torch.randn(DECODE_BATCH, HEADS, cache, 64, device=DEVICE, generator=generator, dtype=torch.bfloat16)
+            for _ in range(2))
+    table = torch.randn(NUM_BUCKETS, HEADS, device=DEVICE, generator=generator)
+    if name == "fat5":
+        def run():
+            return attention(q, k, v, causal=True, query_offset=cache - 1, position_encoding="t5",
+                             relative_attention_bias=table, bidirectional=False, backend="triton")
+        expected = attention(q.float(), k.float(), v.float(), causal=True, query_offset=cache - 1,
+                             position_encoding="t5", relative_attention_bias=table, bidirectional=False,
+                             backend="reference")
+    else:
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        expected = attention(q.float(), k.float(), v.float(), backend="reference")
+    error = relative_error(run(), expected)
+    ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+    moved = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
+    return {"ms": ms, "gb_per_s": moved / ms / 1e6, "output_rel_error": error}
+
+
+def copy_bandwidth_gb_per_s():
+    import triton.testing
+
+    source = torch.randn(2**28, device=DEVICE, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
+    return 2 * source.numel() * 2 / ms / 1e6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parallel compilation
+
+
+def _warm(task):
+    """Run one variant once (forward+backward) so its kernels land in the on-disk caches."""
+    name, position_encoding, causal, length, head_dim, overrides = task
+    from fat5.kernels import attention_triton
+
+    attention_triton.CONFIG_OVERRIDES.clear()
+    for kind, value in overrides:
+        if kind == "via_gather":
+            attention_triton.DIAGONALS_VIA_GATHER = value
+        else:
+            attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*value)
+    started = time.time()
+    try:
+        if name == "decode":
+            q = torch.randn(DECODE_BATCH, HEADS, 1, head_dim, device=DEVICE, dtype=torch.bfloat16)
+            kv = torch.randn(DECODE_BATCH, HEADS, length, head_dim, device=DEVICE, dtype=torch.bfloat16)
+            table = torch.randn(NUM_BUCKETS, HEADS, device=DEVICE)
+            from fat5.kernels.attention import attention
+
+            attention(q, kv, kv, causal=True, query_offset=length - 1, position_encoding="t5",
+                      relative_attention_bias=table, bidirectional=False, backend="triton")
+        else:
+            batch = TOKENS // length  # FlexAttention compiles per shape: warm the timed shapes
+            q, k, v, position = make_inputs(batch, length, head_dim, position_encoding)
+            out = implementation(name, position_encoding, causal, length, head_dim)(q, k, v, position)
+            out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        return task, time.time() - started, None
+    except Exception as error:  # noqa: BLE001 - any compile or launch failure drops the config; the parent reports it
+        return task, time.time() - started, f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def warm_caches(tasks, jobs):
+    if not tasks:
+        return {}
+    started = time.time()
+    failures = {}
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for task, seconds, error in pool.map(_warm, tasks):
+            if error:
+                failures[task] = error
+                print(f"  warm-up failed {task}: {error}", flush=True)
+    print(f"compiled {len(tasks)} variants in {time.time() - started:.0f} s with {jobs} processes", flush=True)
+    return failures
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+def _forward_ms(q, k, v, options):
+    import triton.testing
+
+    from fat5.kernels.attention import attention
+
+    return triton.testing.do_bench(lambda: attention(q, k, v, **options), warmup=25, rep=100, return_mode="median")
+
+
+def _backward_ms(q, k, v, table, options):
+    """The backward alone: one forward, then its graph differentiated again and again."""
+    import triton.testing
+
+    from fat5.kernels.attention import attention
+
+    out = attention(q, k, v, **options)
+    grad_out = torch.randn_like(out)
+    return triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v, table), grad_out, retain_graph=True),
+                                   warmup=25, rep=100, return_mode="median")
+
+
+def sweep(args):
+    """Time each launch configuration of each kernel on the bidirectional T5 bias at L = 4096 (the causal case and
+    the peers are timed at the defaults), checking each configuration against the fp32 reference first."""
+    from fat5.kernels import attention_triton
+    from fat5.kernels.attention import attention
+
+    length = 4096
+    tasks = []
+    for head_dim, table in ((64, SWEEP), (128, SWEEP_D128)):
+        for kind, configs in table.items():
+            for config in configs:
+                if kind == "decode":
+                    tasks.append(("decode", "t5", True, 16384, head_dim, ((kind, config),)))
+                else:
+                    tasks.append(("fat5", "t5", False, length, head_dim, ((kind, config),)))
+        tasks.append(("fat5", "t5", True, length, head_dim, ()))
+    failures = warm_caches(tasks, args.jobs)
+    results = []
+    for head_dim, table in ((64, SWEEP), (128, SWEEP_D128)):
+        batch = TOKENS // length
+        q, k, v, table_tensor = make_inputs(batch, length, head_dim, "t5")
+        options = {"causal": False, "position_encoding": "t5", "relative_attention_bias": table_tensor,
+                   "backend": "triton"}
+        reference_q, reference_k, reference_v = (t.detach()[:1, :, :1024].float().requires_grad_() for t in (q, k, v))
+        for kind, configs in table.items():
+            if kind == "decode":
+                continue
+            for config in configs:
+                task = ("fat5", "t5", False, length, head_dim, ((kind, config),))
+                if task in failures:
+                    results.append({"kind": kind, "config": config, "head_dim": head_dim, "error": failures[task]})
+                    continue
+                attention_triton.CONFIG_OVERRIDES.clear()
+                attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*config)
+                # correctness of this config on a slice, against the fp32 reference
+                sliced = [t.detach()[:1, :, :1024].clone().requires_grad_() for t in (q, k, v)]
+                out = attention(*sliced, **options)
+                grads = torch.autograd.grad(out, sliced, torch.ones_like(out))
+                expected = attention(reference_q, reference_k, reference_v, **dict(options, backend="reference"))
+                expected_grads = torch.autograd.grad(expected, (reference_q, reference_k, reference_v),
+                                                     torch.ones_like(expected))
+                error = max([relative_error(out, expected)]
+                            + [relative_error(g, e) for g, e in zip(grads, expected_grads)])
+                ms = _forward_ms(q, k, v, options) if kind == "forward" else _backward_ms(q, k, v, table_tensor, options)
+                row = {"kind": kind, "config": config, "head_dim": head_dim, "ms": ms, "max_rel_error": error}
+                results.append(row)
+                print(row, flush=True)
+        attention_triton.CONFIG_OVERRIDES.clear()
+        for causal in (False, True):
+            for phase in (False, True):
+                for name in ("sdpa_flash_no_bias", "fat5"):
+                    row = {"kind": "peer", "implementation": name, "head_dim": head_dim, "causal": causal,
+                           "forward_backward": phase, **timed(name, "t5", causal, length, head_dim, phase)}
+                    results.append(row)
+                    print(row, flush=True)
+    for config in SWEEP["decode"]:
+        attention_triton.CONFIG_OVERRIDES["decode"] = attention_triton.LaunchConfig(*config)
+        for cache in (4096, 16384):
+            row = {"kind": "decode", "config": config, "head_dim": 64, "cache": cache, **decoding(cache, "fat5")}
+            results.append(row)
+            print(row, flush=True)
+    attention_triton.CONFIG_OVERRIDES.clear()
+    best = {}
+    for row in results:
+        if "config" not in row or "ms" not in row or row.get("max_rel_error", 0) > 1e-2:
+            continue
+        key = (row["kind"], row["head_dim"], row.get("cache"))
+        if key not in best or row["ms"] < best[key]["ms"]:
+            best[key] = row
+    print("\nbest per (kind, head_dim, cache):")
+    for key, row in sorted(best.items(), key=str):
+        print(key, row["config"], f"{row['ms']:.3f} ms")
+    return {"sweep": results}
+
+
+def benchmark(args):
+    lengths = args.lengths
+    tasks = []
+    for _, position_encoding, head_dim, peers in TABLES:
+        for causal in (False, True):
+            for length in lengths:
+                for name in peers:
+                    if name in ("fat5", "flex"):
+                        tasks.append((name, position_encoding, causal, length, head_dim, ()))
+    tasks += [("decode", "t5", True, cache, 64, ()) for cache in DECODE_CACHES]
+    warm_caches(tasks, args.jobs)
+
+    results = {"copy_gb_per_s": copy_bandwidth_gb_per_s(), "tables": {}, "decoding": []}
+    summary = []
+    for table_name, position_encoding, head_dim, peers in TABLES:
+        rows = []
+        for causal in (False, True):
+            for name in peers:
+                errors = correctness(name, position_encoding, causal, head_dim)
+                print(f"{table_name} causal={causal} {name} errors {errors}", flush=True)
+                for length in lengths:
+                    row = {"implementation": name, "causal": causal, "length": length, "batch": TOKENS // length,
+                           "errors": errors}
+                    for phase in ("forward", "forward_backward"):
+                        if name == "sdpa_materialised" and length > MATERIALISED_MAX_LENGTH[phase]:
+                            continue
+                        try:
+                            row[phase] = timed(name, position_encoding, causal, length, head_dim,
+                                               phase == "forward_backward")
+                        except torch.OutOfMemoryError:
+                            row[phase] = {"error": "out of memory"}
+                        torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(table_name, {k: v for k, v in row.items() if k != "errors"}, flush=True)
+        results["tables"][table_name] = rows
+        summary += _ratios(table_name, rows)
+    for cache in DECODE_CACHES:
+        for name in ("fat5", "sdpa_flash_no_bias"):
+            row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}
+            row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / results["copy_gb_per_s"]
+            results["decoding"].append(row)
+            print(row, flush=True)
+    print()
+    print(markdown_table(summary, list(summary[0].keys())))
+    return results
+
+
+def _ratios(table_name, rows):
+    """FAT5 against the no-bias ceiling and against FlexAttention, per length and mode."""
+    index = {(r["implementation"], r["causal"], r["length"]): r for r in rows}
+    summary = []
+    for (name, causal, length), row in sorted(index.items(), key=lambda item: (item[0][1], item[0][2])):
+        if name != "fat5":
+            continue
+        ceiling = index.get(("sdpa_flash_no_bias", causal, length), {})
+        flex = index.get(("flex", causal, length), {})
+
+        def ratio(a, b, phase, field="tflops"):
+            try:
+                return round(a[phase][field] / b[phase][field], 3)
+            except (KeyError, TypeError, ZeroDivisionError):
+                return None
+
+        summary.append({
+            "table": table_name, "causal": causal, "L": length,
+            "fwd TFLOP/s": round(row["forward"]["tflops"], 1),
+            "fwd+bwd TFLOP/s": round(row["forward_backward"]["tflops"], 1),
+            "fwd / no-bias": ratio(row, ceiling, "forward"),
+            "fwd+bwd / no-bias": ratio(row, ceiling, "forward_backward"),
+            "fwd / flex": ratio(row, flex, "forward"),
+            "fwd+bwd / flex": ratio(row, flex, "forward_backward"),
+            "mem / no-bias": ratio(row, ceiling, "forward_backward", "peak_mib"),
+        })
+    return summary
+
+
+def plot(document, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = document["results"]["tables"]
+    panels = [(name, causal) for name in tables for causal in (False, True)]
+    figure, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7), squeeze=False)
+    for column, (name, causal) in enumerate(panels):
+        rows = [r for r in tables[name] if r["causal"] == causal]
+        for line, phase in enumerate(("forward", "forward_backward")):
+            axis = axes[line][column]
+            for implementation_name in dict.fromkeys(r["implementation"] for r in rows):
+                points = [(r["length"], r[phase]["tflops"]) for r in rows
+                          if r["implementation"] == implementation_name and "tflops" in r.get(phase, {})]
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=implementation_name)
+            axis.set_xscale("log", base=2)
+            axis.set_title(f"{name} {'decoder (causal)' if causal else 'encoder'} {phase.replace('_', '+')}",
+                           fontsize=9)
+            axis.set_xlabel("sequence length")
+            axis.set_ylabel("TFLOP/s")
+            axis.grid(True, alpha=0.3)
+            axis.legend(fontsize=7)
+    environment = document["environment"]
+    figure.suptitle(f"attention, bf16, {HEADS} heads, {TOKENS} tokens per batch — {environment.get('gpu')}, "
+                    f"torch {environment.get('torch')}, triton {environment.get('triton')}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/attention.json")
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations instead")
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
+    args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as handle:
+            plot(json.load(handle), args.plot_only.replace(".json", ".png"))
+        return
+    results = sweep(args) if args.sweep else benchmark(args)
+    document = write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS,
+                            max_distance=MAX_DISTANCE)
+    if not args.sweep:
+        try:
+            plot(document, args.out.replace(".json", ".png"))
+        except ImportError as error:
+            print(f"no plot ({error}); redraw with --plot-only")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The Triton attention in bf16 at real sizes on a GPU, against the fp32 reference (``pytest -m gpu``)."""
+
+import pytest
+import torch
+
+from fat5.kernels.attention import attention, attention_varlen
+from fat5.kernels.attention_triton import t5_relative_buckets
+from fat5.kernels.position_bias import alibi_slopes, t5_relative_bucket
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = 1e-2
+
+
+def relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def leaf(*shape, std=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device="cuda") * std).to(dtype).requires_grad_()
+
+
+def check_against_reference(run, inputs, tolerance=TOLERANCE):
+    """``run(backend, *inputs)``: the kernel on the bf16 inputs, the reference on the same values in fp32."""
+    out = run("triton", *inputs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    expected = run("reference", *reference_inputs)
+    expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out.float())
+    errors = [relative_error(out, expected)] + [relative_error(g, e) for g, e in zip(grads, expected_grads)]
+    assert all(e <= tolerance for e in errors), errors
+    return errors
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (64, 256), (32, 64), (24, 100), (128, 1024)])
+def test_buckets_match_the_cuda_reference_bit_for_bit(bidirectional, num_buckets, max_distance):
+    length = 16384
+    buckets, _ = t5_relative_buckets(-length, 2 * length + 1, bidirectional, num_buckets, max_distance, "cuda")
+    expected = t5_relative_bucket(torch.arange(-length, length + 1, device="cuda"), bidirectional, num_buckets,
+                                  max_distance)
+    assert torch.equal(buckets.long(), expected)
+
+
+@pytest.mark.parametrize(
+    "position_encoding, causal, head_dim, query_length, key_length, query_offset",
+    [
+        ("t5", False, 64, 1531, 1531, 0),
+        ("t5", True, 64, 2048, 2048, 0),
+        ("t5", False, 128, 1000, 1703, 0),
+        ("t5", True, 128, 777, 2100, 1323),
+        ("t5", False, 32, 512, 640, 0),
+        ("alibi", True, 64, 1500, 1500, 0),
+        ("alibi", False, 128, 1024, 1100, 0),
+        ("none", False, 128, 999, 2049, 0),
+        ("bias", True, 64, 700, 900, 200),
+    ],
+)
+def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, query_length, key_length, query_offset):
+    torch.manual_seed(0)
+    batch, heads = 2, 4
+    std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
+    query = leaf(batch, heads, query_length, head_dim, std=std)
+    key = leaf(batch, heads, key_length, head_dim, std=std)
+    value = leaf(batch, heads, key_length, head_dim)
+    mask = torch.rand(batch, key_length, device="cuda") > 0.1
+    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+    slopes = alibi_slopes(heads).cuda()
+    bias = leaf(1, heads, query_length, key_length, std=2.0, dtype=torch.float32)
+    position = {"t5": [table], "bias": [bias]}.get(position_encoding, [])
+
+    def run(backend, q, k, v, *position_tensor):
+        return attention(
+            q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
+            position_encoding=position_encoding, bidirectional=not causal,
+            relative_attention_bias=position_tensor[0] if position_encoding == "t5" else None,
+            alibi_slopes=slopes, attn_bias=position_tensor[0] if position_encoding == "bias" else None,
+            backend=backend,
+        )
+
+    check_against_reference(run, [query, key, value, *position])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bf16_several_segments(causal):
+    torch.manual_seed(1)
+    heads, head_dim = 6, 64
+    lengths = [1000, 37, 513, 2048, 1]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    query, key = leaf(total, heads, head_dim, std=0.35), leaf(total, heads, head_dim, std=0.35)
+    value = leaf(total, heads, head_dim)
+    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+
+    def run(backend, q, k, v, t):
+        return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
+                                position_encoding="t5", relative_attention_bias=t, bidirectional=not causal,
+                                backend=backend)
+
+    check_against_reference(run, [query, key, value, table])
+
+
+@pytest.mark.parametrize("cache", [4096, 32768])
+def test_decoding_against_a_long_cache(cache):
+    torch.manual_seed(2)
+    batch, heads, head_dim = 2, 12, 64
+    query = leaf(batch, heads, 1, head_dim, std=0.35)
+    key, value = leaf(batch, heads, cache, head_dim, std=0.35), leaf(batch, heads, cache, head_dim)
+    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+
+    def run(backend, q, k, v, t):
+        return attention(q, k, v, causal=True, query_offset=cache - 1, position_encoding="t5",
+                         relative_attention_bias=t, bidirectional=False, backend=backend)
+
+    check_against_reference(run, [query, key, value, table])
+
+
+def test_table_gradient_is_bitwise_deterministic():
+    torch.manual_seed(3)
+    query, key, value = (leaf(2, 12, 2048, 64, std=0.35) for _ in range(3))
+    table = leaf(32, 12, dtype=torch.float32)
+    grads = []
+    for _ in range(3):
+        out = attention(query, key, value, position_encoding="t5", relative_attention_bias=table, backend="triton")
+        grads.append(torch.autograd.grad(out, (query, key, value, table), torch.ones_like(out)))
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_fp32_inputs_are_accepted():
+    torch.manual_seed(4)
+    query, key, value = (leaf(1, 2, 300, 64, std=0.35, dtype=torch.float32) for _ in range(3))
+    table = leaf(32, 2, dtype=torch.float32)
+
+    def run(backend, q, k, v, t):
+        return attention(q, k, v, position_encoding="t5", relative_attention_bias=t, backend=backend)
+
+    errors = check_against_reference(run, [query, key, value, table], tolerance=1e-4)
+    assert max(errors) <= 1e-4
+
+
+def test_torch_compile_fullgraph_with_inductor():
+    torch.manual_seed(5)
+    query, key, value = (leaf(2, 4, 1024, 64, std=0.35) for _ in range(3))
+    table = leaf(32, 4, dtype=torch.float32)
+
+    def step(q, k, v, t):
+        out = attention(q * 1.0, k, v, position_encoding="t5", relative_attention_bias=t, causal=True,
+                        bidirectional=False, backend="triton")
+        return out.float().square().mean()
+
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(query, key, value, table)
+    grads = torch.autograd.grad(loss, (query, key, value, table))
+    expected = step(query, key, value, table)
+    expected_grads = torch.autograd.grad(expected, (query, key, value, table))
+    assert torch.allclose(loss, expected, rtol=1e-3)
+    assert all(relative_error(g, e) < 1e-3 for g, e in zip(grads, expected_grads))
