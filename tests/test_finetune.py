@@ -126,6 +126,34 @@ def test_training_batches_are_grouped_by_length(tiny_model, tmp_path):
     assert lengths[0] == max(lengths)
 
 
+@pytest.mark.parametrize("source", ["csv", "tsv", "parquet", "dataset folder"])
+def test_data_loads_from_files_and_dataset_names(source, tiny_model, tmp_path):
+    import datasets
+
+    train = datasets.Dataset.from_list([{"document": r["document"], "summary": r["summary"]} for r in ROWS[:48]])
+    validation = datasets.Dataset.from_list([{"document": r["document"], "summary": r["summary"]} for r in ROWS[48:]])
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False)
+    if source == "dataset folder":
+        # what load_dataset("user/name") finds on the Hub, from a local folder: splits named by their files
+        (tmp_path / "speeches").mkdir()
+        train.to_json(tmp_path / "speeches" / "train.jsonl")
+        validation.to_json(tmp_path / "speeches" / "validation.jsonl")
+        config["data"].update(train_file=None, dataset_name=str(tmp_path / "speeches"))
+    else:
+        paths = [tmp_path / f"{split}.{source}" for split in ("train", "validation")]
+        for dataset, path in zip((train, validation), paths):
+            if source == "parquet":
+                dataset.to_parquet(path)
+            else:
+                dataset.to_csv(path, index=False, sep="\t" if source == "tsv" else ",")
+        config["data"].update(train_file=str(paths[0]), validation_file=str(paths[1]))
+    setup = prepare_finetune(load_finetune_config(config))
+    assert (len(setup.train_dataset), len(setup.eval_dataset)) == (48, 16)
+    first = setup.train_dataset[0]
+    assert first["input_ids"] == setup.tokenizer(ROWS[0]["document"])["input_ids"]
+    assert first["labels"] == setup.tokenizer(text_target=ROWS[0]["summary"], max_length=24, truncation=True)["input_ids"]
+
+
 # ----------------------------------------------------------------------------------------------- LoRA
 
 CLEAN_PROCESS_SCRIPT = r"""
@@ -420,6 +448,10 @@ CONFIG_MISTAKES = {
     ),
     "bad LoRA rank": (lambda c, d: c.update(lora={"r": 0}), r"lora.r must be an integer >= 1"),
     "unknown LoRA key": (lambda c, d: c.update(lora={"rank": 4}), r"lora: unknown key\(s\) \['rank'\]"),
+    "bundle without a merged model": (
+        lambda c, d: c.update(bundle=True, lora={"merge": False}), r"with LoRA, keep lora.merge: true",
+    ),
+    "unknown dtype": (lambda c, d: c.update(dtype="fp8"), r"dtype must be one of"),
     "unknown section": (lambda c, d: c.update(trainer={}), r"unknown key\(s\) \['trainer'\]"),
     "unknown task": (lambda c, d: c.update(task="translation"), r"task must be one of"),
     "transformers 4 argument": (

@@ -8,11 +8,15 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
     model: out/fat5-flan-t5-small      # a FAT5 folder (`fat5 convert` writes one) or a FAT5 Hub repo id
     tokenizer: null                    # default: the model's folder
     model_overrides: {dropout_rate: 0.1}   # FAT5Config fields changed for finetuning
+    dtype: float32                     # weights while training (or bfloat16, float16, auto); training.bf16: true
+                                       # adds mixed precision on top of float32 weights
     output_dir: runs/summarize
     data:
       train_file: train.jsonl          # json / jsonl / csv / tsv / parquet, one file or a list ...
       validation_file: valid.jsonl     # ... or dataset_name (+ dataset_config_name) of a Hub dataset
-      validation_fraction: null        # hold out this share of train when there is no validation data
+      train_split: train               # with dataset_name: the splits to train and evaluate on
+      validation_split: validation
+      validation_fraction: null        # hold out this share of train (seed 0) when there is no validation data
       text_column: text                # seq2seq / sequence_classification: a string; token_classification: words
       target_column: summary           # the summary, the class (string or integer), or the words' tags
       source_prefix: ""                # e.g. "summarize: " for FLAN-T5
@@ -21,12 +25,15 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
       max_train_samples: null
       max_eval_samples: null
       pad_to_multiple_of: null         # 8 keeps tensor shapes friendly to tensor cores
+      preprocessing_num_workers: null  # processes that tokenize
     lora:                              # absent or null: full finetuning
       r: 16
       alpha: 32
       dropout: 0.05
       target_modules: null             # default: q, k, v, o and the feed-forward's wi_0, wi_1 (or wi), wo
       modules_to_save: null            # default: the classification head of an encoder task
+      bias: none                       # or all, lora_only (PEFT's)
+      use_rslora: false                # rank-stabilised scaling alpha / sqrt(r)
       merge: true                      # also write the adapter merged into a plain FAT5 model
     training:                          # any Seq2SeqTrainingArguments field but output_dir
       learning_rate: 3.0e-4
@@ -48,7 +55,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -58,8 +64,6 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-
-logger = logging.getLogger(__name__)
 
 TASKS = ("seq2seq", "sequence_classification", "token_classification")
 DEFAULT_COLUMNS = {
@@ -100,7 +104,10 @@ LORA_DEFAULTS = {
     "use_rslora": False,
     "merge": True,
 }
-TOP_LEVEL_KEYS = ("task", "model", "tokenizer", "model_overrides", "output_dir", "data", "lora", "training", "bundle")
+TOP_LEVEL_KEYS = (
+    "task", "model", "tokenizer", "model_overrides", "dtype", "output_dir", "data", "lora", "training", "bundle"
+)
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -203,6 +210,8 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
     model_overrides = raw.get("model_overrides") or {}
     if not isinstance(model_overrides, dict):
         raise FAT5Error("finetune config: model_overrides must be a mapping of FAT5Config fields")
+    if raw.get("dtype", "float32") not in DTYPES:
+        raise FAT5Error(f"finetune config: dtype must be one of {DTYPES}, got {raw['dtype']!r}")
     if not isinstance(raw.get("bundle", False), bool):
         raise FAT5Error(f"finetune config: bundle must be true or false, got {raw['bundle']!r}")
 
@@ -239,6 +248,8 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
                 raise FAT5Error(f"lora.{name} must be a non-empty list of module names, e.g. [q, v], got {value!r}")
         if lora["bias"] not in ("none", "all", "lora_only"):
             raise FAT5Error(f"lora.bias must be 'none', 'all' or 'lora_only', got {lora['bias']!r}")
+        if raw.get("bundle") and not lora["merge"]:
+            raise FAT5Error("bundle: true needs a full model: with LoRA, keep lora.merge: true")
 
     training = raw.get("training") or {}
     if not isinstance(training, dict):
@@ -250,6 +261,7 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
         "model": str(raw["model"]),
         "tokenizer": str(raw["tokenizer"]) if raw.get("tokenizer") else None,
         "model_overrides": dict(model_overrides),
+        "dtype": raw.get("dtype", "float32"),
         "output_dir": str(raw["output_dir"]),
         "data": data,
         "lora": lora,
@@ -310,8 +322,11 @@ def _model_class(task: str):
     }[task]
 
 
-def load_model(task: str, model_path: str, model_kwargs: dict):
-    """The task's FAT5 class from ``model_path`` (config fields in ``model_kwargs`` override the saved ones)."""
+def load_model(task: str, model_path: str, model_kwargs: dict, dtype: str = "float32"):
+    """The task's FAT5 class from ``model_path`` (config fields in ``model_kwargs`` override the saved ones), its
+    weights in ``dtype`` (``"auto"``: as saved)."""
+    import torch
+
     config = _model_config(model_path)
     head_fields = {"num_labels", "id2label", "label2id", "problem_type"}
     unknown = sorted(name for name in model_kwargs if name not in head_fields and not hasattr(config, name))
@@ -327,6 +342,7 @@ def load_model(task: str, model_path: str, model_kwargs: dict):
         model, loading_info = _model_class(task).from_pretrained(
             model_path,
             config=config,
+            dtype=dtype if dtype == "auto" else getattr(torch, dtype),
             output_loading_info=True,
             # a classification checkpoint with another number of classes gets a new head
             ignore_mismatched_sizes=task != "seq2seq",
@@ -531,7 +547,8 @@ def label_mapping(raw, column: str, sequence: bool) -> tuple[list[str] | None, d
 
 
 def _check_text_column(dataset, column: str, words: bool) -> None:
-    example = next((value for value in dataset[column] if value is not None), None)
+    first_rows = dataset.select(range(min(len(dataset), 100)))[column]
+    example = next((value for value in first_rows if value is not None), None)
     if words and not (isinstance(example, list) and all(isinstance(word, str) for word in example)):
         raise FAT5Error(f"data: token_classification needs lists of words in {column!r}, got {example!r}")
     if not words and not isinstance(example, str):
@@ -577,7 +594,10 @@ def tokenize_datasets(raw, tokenizer, task: str, data: dict, label_ids: dict | N
             batch[text_column], is_split_into_words=True, max_length=data["max_source_length"], truncation=True
         )
         all_labels = []
-        for row, tags in enumerate(batch[target_column]):
+        for row, (words, tags) in enumerate(zip(batch[text_column], batch[target_column])):
+            if len(words) != len(tags):
+                raise FAT5Error(f"data: a row has {len(words)} words in {text_column!r} but {len(tags)} tags in "
+                                f"{target_column!r}: {words!r}")
             labels, previous_word = [], None
             for word in encoded.word_ids(row):
                 # the first piece of each word carries its tag; other pieces and special tokens are not scored
@@ -684,7 +704,7 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
 
     tokenized = tokenize_datasets(limit_samples(raw, data), tokenizer, task, data, label_ids)
     set_seed(args.seed)
-    model = load_model(task, model_path, model_kwargs)
+    model = load_model(task, model_path, model_kwargs, config["dtype"])
     if len(tokenizer) > model.config.vocab_size:
         raise FAT5Error(f"tokenizer: {len(tokenizer)} tokens, more than the model's vocab_size "
                         f"{model.config.vocab_size}; give the model's own tokenizer")
@@ -725,7 +745,7 @@ def merge_adapter(setup: FinetuneSetup, adapter_dir: Path, merged_dir: Path) -> 
     plain FAT5 model with the tokenizer: the saved adapter is proven to load, the trained model stays as it was."""
     from peft import PeftModel
 
-    base = load_model(setup.config["task"], setup.model_path, setup.model_kwargs)
+    base = load_model(setup.config["task"], setup.model_path, setup.model_kwargs, setup.config["dtype"])
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(merged_dir)
     setup.tokenizer.save_pretrained(merged_dir)
@@ -749,6 +769,8 @@ def run_finetune(setup: FinetuneSetup) -> dict:
         "eval": eval_metrics,
         "log_history": list(trainer.state.log_history),
     }
+    # save_model writes from the main process only; the steps after it run there alone
+    main_process = trainer.is_world_process_zero()
     if config["lora"] is None:
         final_dir = output_dir / "model"
         trainer.save_model(str(final_dir))
@@ -757,19 +779,20 @@ def run_finetune(setup: FinetuneSetup) -> dict:
         adapter_dir = output_dir / "adapter"
         trainer.save_model(str(adapter_dir))
         result["adapter_dir"] = str(adapter_dir)
-        final_dir = None
+        final_dir = output_dir / "merged"
         if config["lora"]["merge"]:
-            final_dir = merge_adapter(setup, adapter_dir, output_dir / "merged")
+            if main_process:
+                merge_adapter(setup, adapter_dir, final_dir)
             result["merged_dir"] = str(final_dir)
     if config["bundle"]:
-        if final_dir is None:
-            raise FAT5Error("bundle: true needs a full model: full finetuning, or LoRA with merge: true")
-        from ..hub_upload import bundle
+        bundle_dir = output_dir / "bundle"
+        if main_process:
+            from ..hub_upload import bundle
 
-        bundled = bundle(final_dir, output_dir / "bundle", overwrite=True)
-        result["bundle_dir"] = str(bundled.output)
+            bundle(final_dir, bundle_dir, overwrite=True)
+        result["bundle_dir"] = str(bundle_dir.absolute())
 
-    if trainer.is_world_process_zero():
+    if main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics = {"train": result["train"], "eval": result["eval"]}
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
