@@ -342,7 +342,12 @@ def assert_same_step(config: dict) -> None:
     loss_split, update_split = one_sgd_step(config, batch_size=2, accumulation=2)
     assert loss_split == pytest.approx(loss_whole, rel=1e-6)
     for name, update in update_whole.items():
-        torch.testing.assert_close(update_split[name], update, rtol=1e-4, atol=1e-7, msg=name)
+        if not update.any():  # LoRA's A matrices get no gradient while B is still zero
+            assert not update_split[name].any(), name
+            continue
+        # relative to the whole update (the bug this guards against gives 1.0: twice the step)
+        error = ((update_split[name] - update).norm() / update.norm()).item()
+        assert error < 1e-5, f"{name}: relative difference {error:.2e} between accumulated and whole-batch steps"
 
 
 @pytest.fixture
