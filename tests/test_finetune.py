@@ -31,7 +31,14 @@ from fat5.trainer.finetune import (
     prepare_finetune,
     run_finetune,
 )
-from fat5.trainer.metrics import classification_scores, rouge, rouge_metric, split_sentences
+from fat5.trainer.metrics import (
+    classification_scores,
+    rouge,
+    rouge_metric,
+    sequence_classification_metric,
+    split_sentences,
+    token_classification_metric,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "shakespeare_speeches.jsonl"
@@ -420,6 +427,29 @@ def test_classification_scores_against_hand_computed_values():
     scores = classification_scores([0, 1, 1, 2], [0, 1, 2, 2])
     # F1 per class: 1 (class 0), 2/3 (class 1: one right of two predicted), 2/3 (class 2: one found of two)
     assert scores == {"accuracy": pytest.approx(0.75), "f1_macro": pytest.approx(7 / 9)}
+
+    logits = torch.tensor([[2.0, 1.0], [0.0, 3.0], [1.0, 0.5]]).numpy()
+    assert sequence_classification_metric(EvalPrediction(logits, torch.tensor([0, 1, 1]).numpy()))["accuracy"] == (
+        pytest.approx(2 / 3)
+    )
+    regression = EvalPrediction(torch.tensor([[1.0], [2.0]]).numpy(), torch.tensor([0.0, 4.0]).numpy())
+    assert sequence_classification_metric(regression) == {"mse": pytest.approx((1 + 4) / 2)}
+    # token predictions count where a label is given (-100 marks padding and continuation pieces)
+    token_logits = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [5.0, 0.0]]]).numpy()
+    tokens = EvalPrediction(token_logits, torch.tensor([[0, 0, -100]]).numpy())
+    assert token_classification_metric(tokens)["accuracy"] == pytest.approx(1 / 2)
+
+
+def test_float_targets_train_a_regression_head(tiny_model, tmp_path):
+    path = tmp_path / "scores.jsonl"
+    path.write_text("".join(json.dumps({"text": r["document"], "score": len(r["words"]) / 10}) + "\n" for r in ROWS))
+    config = {"task": "sequence_classification", "model": str(tiny_model), "output_dir": str(tmp_path / "run"),
+              "data": {"train_file": str(path), "validation_fraction": 0.25, "target_column": "score"},
+              "training": {**QUIET, "max_steps": 2}}
+    result = finetune(config)
+    saved = json.loads((Path(result["model_dir"]) / "config.json").read_text())
+    assert (saved["num_labels"] if "num_labels" in saved else len(saved["id2label"])) == 1
+    assert saved["problem_type"] == "regression" and "eval_mse" in result["eval"]
 
 
 # ----------------------------------------------------------------------------------------------- configuration
