@@ -52,19 +52,27 @@ TABLES = [  # (name, position encoding, head_dim, peers)
     ("alibi_d64", "alibi", 64, ("sdpa_flash_no_bias", "fat5", "flex")),
 ]
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages), "near" takes the dkdv tiles
-    "forward": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                (128, 64, 4, 3), (128, 32, 4, 3)],
-    "dkdv": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3),
+    "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
+                (128, 64, 4, 3), (64, 32, 4, 3)],
+    "forward_single": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
+    "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
              (64, 64, 8, 3), (128, 128, 8, 2)],
-    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3)],
-    "near": [(0, 0, 8, 2), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 4, 3)],
-    "decode": [(16, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 256, 8, 3), (16, 64, 4, 6), (16, 128, 8, 4)],
+    "dkdv_single": [(64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
+    "near": [(0, 0, 4, 3), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 8, 2)],
+    "decode": [(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 4, 6), (16, 128, 4, 3)],
 }
 SWEEP_D128 = {
-    "forward": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)],
-    "dkdv": [(64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2)],
-    "dq": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-    "near": [(0, 0, 8, 2), (0, 0, 4, 2)],
+    "forward": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)],
+    "forward_single": [(64, 64, 4, 2), (128, 64, 8, 2)],
+    "dkdv": [(64, 128, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 2)],
+    "dkdv_single": [(64, 128, 8, 2), (32, 64, 4, 3)],
+    "near": [(0, 0, 4, 2), (0, 0, 8, 2)],
+}
+# a sweep kind sets the launch configuration of one kernel, and possibly a code-shape variant
+SWEEP_KINDS = {
+    "forward": ("forward", None), "forward_single": ("forward", "forward_single_loop"),
+    "dkdv": ("dkdv", None), "dkdv_single": ("dkdv", "dkdv_single_loop"), "near": ("near", None),
+    "decode": ("decode", None), "dq": ("dq", None),
 }
 
 
@@ -232,6 +240,11 @@ def timed(name, position_encoding, causal, length, head_dim, forward_backward):
 
 
 def decoding(cache, name):
+    """One decoding step (1 query per sequence against a cache of ``cache`` keys), as bandwidth.
+
+    ``ms`` is the eager call (L2 flushed by do_bench, launch overheads included); ``graph_ms`` replays a CUDA graph
+    of steps over enough different caches that they cannot stay in L2, per step: the kernels' own time.
+    """
     import torch.nn.functional as F
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -240,25 +253,33 @@ def decoding(cache, name):
 
     generator = torch.Generator(device=DEVICE).manual_seed(2)
     q = torch.randn(DECODE_BATCH, HEADS, 1, 64, device=DEVICE, generator=generator, dtype=torch.bfloat16)
-    k, v = (torch.randn(DECODE_BATCH, HEADS, cache, 64, device=DEVICE, generator=generator, dtype=torch.bfloat16)
-            for _ in range(2))
+    cache_bytes = 2 * DECODE_BATCH * HEADS * cache * 64 * 2
+    copies = max(1, math.ceil(4 * 50e6 / cache_bytes))  # 4x the H100's 50 MB of L2
+    caches = [tuple(torch.randn(DECODE_BATCH, HEADS, cache, 64, device=DEVICE, generator=generator,
+                                dtype=torch.bfloat16) for _ in range(2)) for _ in range(copies)]
     table = torch.randn(NUM_BUCKETS, HEADS, device=DEVICE, generator=generator)
-    if name == "fat5":
-        def run():
+
+    def step(k, v):
+        if name == "fat5":
             return attention(q, k, v, causal=True, query_offset=cache - 1, position_encoding="t5",
                              relative_attention_bias=table, bidirectional=False, backend="triton")
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+
+    k, v = caches[0]
+    if name == "fat5":
         expected = attention(q.float(), k.float(), v.float(), causal=True, query_offset=cache - 1,
                              position_encoding="t5", relative_attention_bias=table, bidirectional=False,
                              backend="reference")
     else:
-        def run():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, scale=1.0)
         expected = attention(q.float(), k.float(), v.float(), backend="reference")
-    error = relative_error(run(), expected)
-    ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
-    moved = 2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size()
-    return {"ms": ms, "gb_per_s": moved / ms / 1e6, "output_rel_error": error}
+    error = relative_error(step(k, v), expected)
+    ms = triton.testing.do_bench(lambda: step(k, v), warmup=25, rep=100, return_mode="median")
+    graph_ms = triton.testing.do_bench_cudagraph(lambda: [step(*kv) for kv in caches], rep=100,
+                                                 return_mode="median") / copies
+    moved = cache_bytes + 2 * q.numel() * q.element_size()
+    return {"ms": ms, "gb_per_s": moved / ms / 1e6, "graph_ms": graph_ms, "graph_gb_per_s": moved / graph_ms / 1e6,
+            "output_rel_error": error}
 
 
 def copy_bandwidth_gb_per_s():
@@ -274,17 +295,29 @@ def copy_bandwidth_gb_per_s():
 # Parallel compilation
 
 
-def _warm(task):
-    """Run one variant once (forward+backward) so its kernels land in the on-disk caches."""
-    name, position_encoding, causal, length, head_dim, overrides = task
+def _apply_overrides(overrides):
+    """Set the tuning overrides of a sweep entry: ((kind, config), ...) with kinds from SWEEP_KINDS."""
     from fat5.kernels import attention_triton
 
     attention_triton.CONFIG_OVERRIDES.clear()
-    for kind, value in overrides:
-        if kind == "via_gather":
-            attention_triton.DIAGONALS_VIA_GATHER = value
-        else:
-            attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*value)
+    for variant in attention_triton.VARIANTS:
+        attention_triton.VARIANTS[variant] = False
+    torch.use_deterministic_algorithms(False)
+    for kind, config in overrides:
+        if kind == "deterministic":  # the backward's separate dq kernel instead of atomics
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            continue
+        kernel, variant = SWEEP_KINDS[kind]
+        attention_triton.CONFIG_OVERRIDES[kernel] = attention_triton.LaunchConfig(*config)
+        if variant:
+            attention_triton.VARIANTS[variant] = True
+
+
+def _warm(task):
+    """Run one variant once (forward+backward) so its kernels land in the on-disk caches."""
+    name, position_encoding, causal, length, head_dim, overrides = task
+
+    _apply_overrides(overrides)
     started = time.time()
     try:
         if name == "decode":
@@ -345,10 +378,16 @@ def _backward_ms(q, k, v, table, options):
                                    warmup=25, rep=100, return_mode="median")
 
 
+def _default(head_dim, kind):
+    from fat5.kernels import attention_triton
+
+    config = attention_triton._CONFIGS["sm90"][kind][head_dim]
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages)
+
+
 def sweep(args):
     """Time each launch configuration of each kernel on the bidirectional T5 bias at L = 4096 (the causal case and
     the peers are timed at the defaults), checking each configuration against the fp32 reference first."""
-    from fat5.kernels import attention_triton
     from fat5.kernels.attention import attention
 
     length = 4096
@@ -360,7 +399,11 @@ def sweep(args):
                     tasks.append(("decode", "t5", True, 16384, head_dim, ((kind, config),)))
                 else:
                     tasks.append(("fat5", "t5", False, length, head_dim, ((kind, config),)))
-        tasks.append(("fat5", "t5", True, length, head_dim, ()))
+        for causal in (False, True):
+            tasks.append(("fat5", "t5", causal, length, head_dim, ()))
+            tasks.append(("fat5", "t5", causal, length, head_dim,
+                          (("forward_single", _default(head_dim, "forward")), ("dkdv_single", _default(head_dim, "dkdv")))))
+            tasks.append(("fat5", "t5", causal, length, head_dim, (("deterministic", None),)))
     failures = warm_caches(tasks, args.jobs)
     results = []
     for head_dim, table in ((64, SWEEP), (128, SWEEP_D128)):
@@ -377,8 +420,7 @@ def sweep(args):
                 if task in failures:
                     results.append({"kind": kind, "config": config, "head_dim": head_dim, "error": failures[task]})
                     continue
-                attention_triton.CONFIG_OVERRIDES.clear()
-                attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*config)
+                _apply_overrides(((kind, config),))
                 # correctness of this config on a slice, against the fp32 reference
                 sliced = [t.detach()[:1, :, :1024].clone().requires_grad_() for t in (q, k, v)]
                 out = attention(*sliced, **options)
@@ -388,35 +430,47 @@ def sweep(args):
                                                      torch.ones_like(expected))
                 error = max([relative_error(out, expected)]
                             + [relative_error(g, e) for g, e in zip(grads, expected_grads)])
-                ms = _forward_ms(q, k, v, options) if kind == "forward" else _backward_ms(q, k, v, table_tensor, options)
+                if SWEEP_KINDS[kind][0] == "forward":
+                    ms = _forward_ms(q, k, v, options)
+                else:
+                    ms = _backward_ms(q, k, v, table_tensor, options)
                 row = {"kind": kind, "config": config, "head_dim": head_dim, "ms": ms, "max_rel_error": error}
                 results.append(row)
                 print(row, flush=True)
-        attention_triton.CONFIG_OVERRIDES.clear()
+        _apply_overrides(())
         for causal in (False, True):
             for phase in (False, True):
-                for name in ("sdpa_flash_no_bias", "fat5"):
-                    row = {"kind": "peer", "implementation": name, "head_dim": head_dim, "causal": causal,
-                           "forward_backward": phase, **timed(name, "t5", causal, length, head_dim, phase)}
+                for name, variant in (("sdpa_flash_no_bias", None), ("fat5", None), ("fat5", "single_loop"),
+                                      ("fat5", "deterministic")):
+                    if variant == "single_loop":
+                        _apply_overrides((("forward_single", _default(head_dim, "forward")),
+                                          ("dkdv_single", _default(head_dim, "dkdv"))))
+                    elif variant == "deterministic":
+                        _apply_overrides((("deterministic", None),))
+                    row = {"kind": "peer", "implementation": name, "variant": variant, "head_dim": head_dim,
+                           "causal": causal, "forward_backward": phase,
+                           **timed(name, "t5", causal, length, head_dim, phase)}
+                    _apply_overrides(())
                     results.append(row)
                     print(row, flush=True)
     for config in SWEEP["decode"]:
-        attention_triton.CONFIG_OVERRIDES["decode"] = attention_triton.LaunchConfig(*config)
+        _apply_overrides((("decode", config),))
         for cache in (4096, 16384):
             row = {"kind": "decode", "config": config, "head_dim": 64, "cache": cache, **decoding(cache, "fat5")}
             results.append(row)
             print(row, flush=True)
-    attention_triton.CONFIG_OVERRIDES.clear()
+    _apply_overrides(())
     best = {}
     for row in results:
         if "config" not in row or "ms" not in row or row.get("max_rel_error", 0) > 1e-2:
             continue
         key = (row["kind"], row["head_dim"], row.get("cache"))
-        if key not in best or row["ms"] < best[key]["ms"]:
+        time_ms = row.get("graph_ms", row["ms"])
+        if key not in best or time_ms < best[key].get("graph_ms", best[key]["ms"]):
             best[key] = row
     print("\nbest per (kind, head_dim, cache):")
     for key, row in sorted(best.items(), key=str):
-        print(key, row["config"], f"{row['ms']:.3f} ms")
+        print(key, row["config"], f"{row.get('graph_ms', row['ms']):.3f} ms")
     return {"sweep": results}
 
 
@@ -459,7 +513,7 @@ def benchmark(args):
     for cache in DECODE_CACHES:
         for name in ("fat5", "sdpa_flash_no_bias"):
             row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}
-            row["fraction_of_copy_bandwidth"] = row["gb_per_s"] / results["copy_gb_per_s"]
+            row["fraction_of_copy_bandwidth"] = row["graph_gb_per_s"] / results["copy_gb_per_s"]
             results["decoding"].append(row)
             print(row, flush=True)
     print()

@@ -272,7 +272,17 @@ def test_rows_without_visible_keys_give_zeros():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_table_gradient_is_deterministic():
+@pytest.mark.parametrize("deterministic_algorithms", [False, True])
+def test_table_gradient_is_deterministic(deterministic_algorithms):
+    """The table gradient never depends on scheduling; with deterministic algorithms dq has its own kernel."""
+    torch.use_deterministic_algorithms(deterministic_algorithms)
+    try:
+        _check_table_gradient_is_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _check_table_gradient_is_deterministic():
     torch.manual_seed(5)
     query, key, value = make_leaf(2, 2, 40, 16), make_leaf(2, 2, 40, 16), make_leaf(2, 2, 40, 16)
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
@@ -280,8 +290,11 @@ def test_table_gradient_is_deterministic():
     for _ in range(2):
         out = attention(query, key, value, position_encoding="t5", relative_attention_bias=table, num_buckets=8,
                         max_distance=6, backend="triton")
-        grads.append(torch.autograd.grad(out.square().sum(), table)[0])
-    assert torch.equal(grads[0], grads[1])
+        grads.append(torch.autograd.grad(out.square().sum(), (query, table)))
+    assert torch.equal(grads[0][1], grads[1][1])
+    expected = truth(query, key, value, position_encoding="t5", table=table, num_buckets=8, max_distance=6)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (query, table))
+    assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads[0], expected_grads))
 
 
 def test_torch_compile_fullgraph_traces_through_attention():
@@ -309,8 +322,11 @@ def test_custom_ops_pass_opcheck():
     query, key, value = (torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
     arguments = (query, key, value, None, table, None, None, 20, 20, 1.0, True, 0, "t5", True, 8, 6)
-    torch.library.opcheck(attention_triton.attention_forward_op, arguments,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(attention_triton.attention_forward_op, arguments, test_utils=checks)
+    out, lse = attention_triton.attention_forward_op(*arguments)
+    backward_arguments = (torch.randn_like(out), query, key, value, out, lse, *arguments[3:], True)
+    torch.library.opcheck(attention_triton.attention_backward_op, backward_arguments, test_utils=checks)
 
 
 @pytest.mark.parametrize(

@@ -51,17 +51,17 @@ class LaunchConfig:
 # (--sweep) on an H100; the Ampere ones follow the shapes FlashAttention-2 uses there and are untested.
 _CONFIGS = {
     "sm90": {
-        "forward": {16: LaunchConfig(128, 64, 8, 3), 32: LaunchConfig(128, 64, 8, 3), 64: LaunchConfig(128, 64, 8, 3),
-                    128: LaunchConfig(128, 64, 8, 2), 256: LaunchConfig(64, 32, 4, 2)},
-        "decode": {16: LaunchConfig(16, 128, 4, 4), 32: LaunchConfig(16, 128, 4, 4), 64: LaunchConfig(16, 128, 4, 4),
+        "forward": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
+                    128: LaunchConfig(64, 64, 4, 2), 256: LaunchConfig(64, 32, 4, 2)},
+        "decode": {16: LaunchConfig(16, 64, 4, 4), 32: LaunchConfig(16, 64, 4, 4), 64: LaunchConfig(16, 64, 4, 4),
                    128: LaunchConfig(16, 64, 4, 4), 256: LaunchConfig(16, 32, 4, 3)},
-        "dkdv": {16: LaunchConfig(64, 128, 8, 3), 32: LaunchConfig(64, 128, 8, 3), 64: LaunchConfig(64, 128, 8, 3),
-                 128: LaunchConfig(64, 64, 8, 3), 256: LaunchConfig(32, 64, 4, 2)},
-        "dq": {16: LaunchConfig(128, 64, 8, 3), 32: LaunchConfig(128, 64, 8, 3), 64: LaunchConfig(128, 64, 8, 3),
-               128: LaunchConfig(128, 64, 8, 2), 256: LaunchConfig(64, 32, 4, 2)},
+        "dkdv": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
+                 128: LaunchConfig(64, 128, 8, 2), 256: LaunchConfig(32, 64, 4, 2)},
+        "dq": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
+               128: LaunchConfig(128, 64, 8, 3), 256: LaunchConfig(64, 32, 4, 2)},
         # the near-tile table-gradient kernel uses the dkdv tiles; only its warps and stages are its own
-        "near": {16: LaunchConfig(0, 0, 8, 2), 32: LaunchConfig(0, 0, 8, 2), 64: LaunchConfig(0, 0, 8, 2),
-                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
+        "near": {16: LaunchConfig(0, 0, 4, 3), 32: LaunchConfig(0, 0, 4, 3), 64: LaunchConfig(0, 0, 4, 3),
+                 128: LaunchConfig(0, 0, 4, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
     "sm80": {
         "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
@@ -87,6 +87,9 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 CONFIG_OVERRIDES: dict = {}
 # Diagonals of a near T5 tile re-read per step of the table-gradient reduction (registers of the skewed read).
 _DIAGONAL_CHUNK = 32
+# Code-shape variants timed by benchmarks/attention.py --sweep: one pipelined loop with branches on the block index,
+# or one loop per range of blocks (far-left / near / far-right / masked) with the branches resolved at compile time.
+VARIANTS = {"forward_single_loop": False, "dkdv_single_loop": False}
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -310,6 +313,7 @@ def _forward(
             POSITION=_POSITION_CODES[position_encoding], MAX_DISTANCE=max_distance_arg, CAUSAL=causal,
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
             SAFE_CLEAN=padding is not None or position_encoding == "bias",
+            SINGLE_LOOP=VARIANTS["forward_single_loop"],
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
         if is_split:
@@ -374,18 +378,24 @@ def _backward(
             problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
         )
         grid = (num_n_blocks, problem.batch * problem.num_heads)
+        # dq: added into an fp32 buffer by the dk/dv kernel (atomics, as FlashAttention-2), or, when PyTorch is
+        # asked for deterministic algorithms, computed by its own kernel (three more products per tile)
+        fused_dq = not torch.are_deterministic_algorithms_enabled()
+        dq_accumulator = torch.zeros(query.shape, dtype=torch.float32, device=device) if fused_dq else dummy
         _attention_backward_dkdv_kernel[grid](
-            query, key, value, grad_out, lse, delta, dk, dv, padding_pointer, bias_pointer,
+            query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
             dummy if distance_grad is None else distance_grad[0], dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
+            *(_token_strides(dq_accumulator, problem) if fused_dq else (0, 0, 0)),
             *_row_stats_strides(lse, problem),
             0 if padding is None else padding.stride(0),
             *bias_strides,
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
             *shape_arguments, scale,
             BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position_encoding],
-            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, **common, **_launch_kwargs(dkdv_config, device),
+            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq, SINGLE_LOOP=VARIANTS["dkdv_single_loop"],
+            **common, **_launch_kwargs(dkdv_config, device),
         )
         if table_grad:
             near_config = _config("near", device, problem.head_dim, query.dtype)
@@ -403,26 +413,29 @@ def _backward(
                 DIAGONAL_CHUNK=_DIAGONAL_CHUNK if device.type == "cuda" else 8,  # several chunks in the CPU tests
                 **common, **_launch_kwargs(near_config, device),
             )
-        _attention_backward_dq_kernel[(triton.cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
-            query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
-            *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
-            *_token_strides(grad_out, problem), *_token_strides(dq, problem),
-            *_row_stats_strides(lse, problem),
-            0 if padding is None else padding.stride(0),
-            *bias_strides,
-            *shape_arguments, scale,
-            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position_encoding],
-            **common, **_launch_kwargs(dq_config, device),
-        )
+        if fused_dq:
+            dq.copy_(dq_accumulator)
+        else:
+            _attention_backward_dq_kernel[(triton.cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
+                query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
+                *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+                *_token_strides(grad_out, problem), *_token_strides(dq, problem),
+                *_row_stats_strides(lse, problem),
+                0 if padding is None else padding.stride(0),
+                *bias_strides,
+                *shape_arguments, scale,
+                BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position_encoding],
+                **common, **_launch_kwargs(dq_config, device),
+            )
     position_gradient = query.new_empty(0)
     if table_grad:
         per_distance = distance_grad.sum(dim=(0, 1, 2))  # (heads, distances): a fixed-order reduction, deterministic
         one_hot = (buckets[:, None].long() == torch.arange(num_buckets, device=device)[None, :]).float()
-        position_gradient = (per_distance[:, :, None] * one_hot[None]).sum(dim=1).t().to(position_tensor.dtype)
+        position_gradient = (one_hot[:, :, None] * per_distance.t()[:, None, :]).sum(dim=0).to(position_tensor.dtype)
     elif bias_grad:
         if problem.is_varlen:
             dbias = dbias.sum(dim=0)
-        position_gradient = dbias.sum_to_size(position_tensor.shape).to(position_tensor.dtype)
+        position_gradient = dbias.sum_to_size(position_tensor.shape).to(position_tensor.dtype).contiguous()
     return dq, dk, dv, position_gradient
 
 
