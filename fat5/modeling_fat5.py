@@ -224,6 +224,7 @@ class FAT5Attention(nn.Module):
         self.backend = config.attention_backend
         self.rope_theta = config.rope_theta
         self.has_relative_attention_bias = has_relative_attention_bias and self.position_encoding in ("t5", "fire")
+        self._alibi_slopes = None
 
         self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
         self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
@@ -244,7 +245,10 @@ class FAT5Attention(nn.Module):
                 max_distance=self.relative_attention_max_distance,
             )
         if self.position_encoding == "alibi":
-            return dict(position_encoding="alibi", alibi_slopes=alibi_slopes(self.n_heads).to(device))
+            # made once per device: a host-to-device copy in every call would stall the step
+            if self._alibi_slopes is None or self._alibi_slopes.device != device:
+                self._alibi_slopes = alibi_slopes(self.n_heads).to(device)
+            return dict(position_encoding="alibi", alibi_slopes=self._alibi_slopes)
         if self.position_encoding == "fire":
             return dict(position_encoding="bias", attn_bias=owner.fire(query_length, key_length, query_offset))
         return dict(position_encoding="none")
@@ -564,6 +568,16 @@ class FAT5PreTrainedModel(PreTrainedModel):
                 init.normal_(head.weight, mean=0.0, std=factor * std)
             if head.bias is not None:
                 init.zeros_(head.bias)
+
+    def _initialize_weights(self, module, *args, **kwargs):
+        # transformers takes a module of custom code that owns no parameter itself as already initialised, so a head
+        # that a checkpoint lacks would keep garbage. `_init_weights` writes through transformers' `init`, which
+        # leaves loaded tensors alone, so it can run on every module.
+        if "is_custom_code" in kwargs:
+            kwargs["is_custom_code"] = False
+        elif args:
+            args = (False, *args[1:])
+        return super()._initialize_weights(module, *args, **kwargs)
 
     def _shift_right(self, input_ids: torch.Tensor) -> torch.Tensor:
         decoder_start_token_id = self.config.decoder_start_token_id
@@ -886,13 +900,17 @@ class FAT5ForSequenceClassification(_FAT5EncoderWithHead):
         logits = self.classification_head(pooled)
         loss = None
         if labels is not None:
-            loss = _sequence_classification_loss(self.config, logits, labels)
+            loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
         return output if return_dict is not False else output.to_tuple()
 
 
-def _sequence_classification_loss(config, logits, labels):
-    """transformers' convention: regression for one label, single- or multi-label classification otherwise."""
+def _sequence_classification_loss(config, logits, labels, num_items_in_batch=None):
+    """transformers' convention: regression for one label, single- or multi-label classification otherwise.
+
+    With ``num_items_in_batch`` (the Trainer's count over gradient-accumulation steps) the loss is a sum over it.
+    """
+    reduction = "mean" if num_items_in_batch is None else "sum"
     if config.problem_type is None:
         if config.num_labels == 1:
             config.problem_type = "regression"
@@ -901,10 +919,14 @@ def _sequence_classification_loss(config, logits, labels):
         else:
             config.problem_type = "multi_label_classification"
     if config.problem_type == "regression":
-        return nn.functional.mse_loss(logits.squeeze(-1).float(), labels.squeeze(-1).float())
-    if config.problem_type == "single_label_classification":
-        return nn.functional.cross_entropy(logits.float().view(-1, config.num_labels), labels.view(-1))
-    return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        loss = nn.functional.mse_loss(logits.squeeze(-1).float(), labels.squeeze(-1).float(), reduction=reduction)
+    elif config.problem_type == "single_label_classification":
+        loss = nn.functional.cross_entropy(
+            logits.float().view(-1, config.num_labels), labels.view(-1), reduction=reduction
+        )
+    else:
+        loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class FAT5ForTokenClassification(_FAT5EncoderWithHead):
@@ -928,7 +950,14 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits.float().view(-1, self.config.num_labels), labels.view(-1))
+            num_items_in_batch = kwargs.get("num_items_in_batch")
+            loss = nn.functional.cross_entropy(
+                logits.float().view(-1, self.config.num_labels),
+                labels.view(-1),
+                reduction="mean" if num_items_in_batch is None else "sum",
+            )
+            if num_items_in_batch is not None:
+                loss = loss / num_items_in_batch
         output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
         return output if return_dict is not False else output.to_tuple()
 

@@ -372,11 +372,6 @@ def test_gradient_accumulation_is_exact_for_seq2seq(lora, tiny_model, tmp_path, 
     assert_same_step(config)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FAT5's encoder heads take num_items_in_batch through **kwargs but average their loss per batch, so "
-    "the Trainer (which then skips its division by the accumulation steps) adds accumulation_steps means",
-)
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
 def test_gradient_accumulation_is_exact_for_encoder_heads(task, tiny_model, tmp_path, four_rows):
     config = head_config(task, tiny_model, tmp_path)

@@ -339,38 +339,16 @@ def load_model(task: str, model_path: str, model_kwargs: dict, dtype: str = "flo
     except ValueError as error:
         raise FAT5Error(f"model_overrides: {error}") from None
     try:
-        model, loading_info = _model_class(task).from_pretrained(
+        model = _model_class(task).from_pretrained(
             model_path,
             config=config,
             dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-            output_loading_info=True,
             # a classification checkpoint with another number of classes gets a new head
             ignore_mismatched_sizes=task != "seq2seq",
         )
     except (OSError, ValueError) as error:
         raise FAT5Error(f"model: cannot load the weights of {model_path} ({error})") from None
-    new_keys = set(loading_info["missing_keys"]) | {key for key, *_ in loading_info["mismatched_keys"]}
-    initialize_new_weights(model, new_keys)
     return model
-
-
-def initialize_new_weights(model, new_keys) -> None:
-    """Give the weights a checkpoint lacked (a task head on a seq2seq checkpoint) FAT5's initialisation.
-
-    transformers 5 takes a module of custom (non-transformers) code that owns no parameter directly as initialised
-    when it loads a checkpoint, so FAT5's `_init_weights` never sees the heads (FAT5ClassificationHead, the model
-    owning `classifier`) and their weights keep whatever memory they were given. `_init_weights` writes through
-    transformers' `init` functions, which leave the loaded tensors alone, so it runs here on every module above a
-    new weight.
-    """
-    owners = {""}
-    for key in new_keys:
-        parts = key.split(".")[:-1]
-        owners.update(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
-    if new_keys:
-        for name, module in model.named_modules():
-            if name in owners:
-                model._init_weights(module)
 
 
 def load_tokenizer(path: str, task: str):

@@ -163,6 +163,8 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     else:
         train_sampler = UL2PackedBatchSampler(train["length"], collator.objective, **batching)
     evaluation, eval_sampler = None, None
+    if eval_texts is not None and data.get("max_eval_documents"):
+        eval_texts = eval_texts.select(range(min(int(data["max_eval_documents"]), len(eval_texts))))
     if eval_texts is not None:
         evaluation = tokenize_dataset(eval_texts, tokenizer, **tokenize)
         eval_sampler = UL2PackedBatchSampler(evaluation["length"], collator.objective, shuffle=False, **batching)

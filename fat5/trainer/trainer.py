@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer
 
 
-def count_tokens(inputs: dict) -> tuple[torch.Tensor, int]:
-    """Real tokens (encoder inputs plus labelled decoder positions) and slots of one batch, padded or packed."""
+def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
+    """Real tokens (encoder inputs plus, for seq2seq, labelled decoder positions) and slots of one batch."""
     input_ids = inputs["input_ids"]
     if "segment_ids" in inputs:
         encoder_tokens = (inputs["segment_ids"] > 0).sum()
@@ -22,7 +22,7 @@ def count_tokens(inputs: dict) -> tuple[torch.Tensor, int]:
     else:
         encoder_tokens = torch.tensor(input_ids.numel(), device=input_ids.device)
     slots = input_ids.numel()
-    labels = inputs.get("labels")
+    labels = inputs.get("labels") if decoder_labels else None
     if labels is not None:
         encoder_tokens = encoder_tokens + (labels != -100).sum()
         slots += labels.numel()
@@ -97,7 +97,7 @@ class FAT5Trainer(Seq2SeqTrainer):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             # kept on the device: adding them up here costs no synchronisation, the log reads them once
-            tokens, slots = count_tokens(inputs)
+            tokens, slots = count_tokens(inputs, decoder_labels=getattr(outputs, "ce_loss", None) is not None)
             self._window_tokens = tokens if self._window_tokens is None else self._window_tokens + tokens
             self._window_slots += slots
             parts = getattr(outputs, "ce_loss", None), getattr(outputs, "z_loss", None)
