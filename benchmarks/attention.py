@@ -54,26 +54,17 @@ TABLES = [  # (name, position encoding, head_dim, peers)
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages), "near" takes the dkdv tiles
     "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
                 (128, 64, 4, 3), (64, 32, 4, 3)],
-    "forward_single": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
     "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
              (64, 64, 8, 3), (128, 128, 8, 2)],
-    "dkdv_single": [(64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
     "near": [(0, 0, 4, 3), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 8, 2)],
     "decode": [(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 4, 6), (16, 128, 4, 3)],
 }
 SWEEP_D128 = {
     "forward": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)],
-    "forward_single": [(64, 64, 4, 2), (128, 64, 8, 2)],
     "dkdv": [(64, 128, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 2)],
-    "dkdv_single": [(64, 128, 8, 2), (32, 64, 4, 3)],
     "near": [(0, 0, 4, 2), (0, 0, 8, 2)],
 }
-# a sweep kind sets the launch configuration of one kernel, and possibly a code-shape variant
-SWEEP_KINDS = {
-    "forward": ("forward", None), "forward_single": ("forward", "forward_single_loop"),
-    "dkdv": ("dkdv", None), "dkdv_single": ("dkdv", "dkdv_single_loop"), "near": ("near", None),
-    "decode": ("decode", None), "dq": ("dq", None),
-}
+SWEEP_KINDS = ("forward", "dkdv", "near", "decode", "dq")  # the kernels a sweep entry can configure
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,17 +291,12 @@ def _apply_overrides(overrides):
     from fat5.kernels import attention_triton
 
     attention_triton.CONFIG_OVERRIDES.clear()
-    for variant in attention_triton.VARIANTS:
-        attention_triton.VARIANTS[variant] = False
     torch.use_deterministic_algorithms(False)
     for kind, config in overrides:
         if kind == "deterministic":  # the backward's separate dq kernel instead of atomics
             torch.use_deterministic_algorithms(True, warn_only=True)
             continue
-        kernel, variant = SWEEP_KINDS[kind]
-        attention_triton.CONFIG_OVERRIDES[kernel] = attention_triton.LaunchConfig(*config)
-        if variant:
-            attention_triton.VARIANTS[variant] = True
+        attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*config)
 
 
 def _warm(task):
@@ -378,13 +364,6 @@ def _backward_ms(q, k, v, table, options):
                                    warmup=25, rep=100, return_mode="median")
 
 
-def _default(head_dim, kind):
-    from fat5.kernels import attention_triton
-
-    config = attention_triton._CONFIGS["sm90"][kind][head_dim]
-    return (config.block_m, config.block_n, config.num_warps, config.num_stages)
-
-
 def sweep(args):
     """Time each launch configuration of each kernel on the bidirectional T5 bias at L = 4096 (the causal case and
     the peers are timed at the defaults), checking each configuration against the fp32 reference first."""
@@ -401,8 +380,6 @@ def sweep(args):
                     tasks.append(("fat5", "t5", False, length, head_dim, ((kind, config),)))
         for causal in (False, True):
             tasks.append(("fat5", "t5", causal, length, head_dim, ()))
-            tasks.append(("fat5", "t5", causal, length, head_dim,
-                          (("forward_single", _default(head_dim, "forward")), ("dkdv_single", _default(head_dim, "dkdv")))))
             tasks.append(("fat5", "t5", causal, length, head_dim, (("deterministic", None),)))
     failures = warm_caches(tasks, args.jobs)
     results = []
@@ -430,7 +407,7 @@ def sweep(args):
                                                      torch.ones_like(expected))
                 error = max([relative_error(out, expected)]
                             + [relative_error(g, e) for g, e in zip(grads, expected_grads)])
-                if SWEEP_KINDS[kind][0] == "forward":
+                if kind == "forward":
                     ms = _forward_ms(q, k, v, options)
                 else:
                     ms = _backward_ms(q, k, v, table_tensor, options)
@@ -440,12 +417,8 @@ def sweep(args):
         _apply_overrides(())
         for causal in (False, True):
             for phase in (False, True):
-                for name, variant in (("sdpa_flash_no_bias", None), ("fat5", None), ("fat5", "single_loop"),
-                                      ("fat5", "deterministic")):
-                    if variant == "single_loop":
-                        _apply_overrides((("forward_single", _default(head_dim, "forward")),
-                                          ("dkdv_single", _default(head_dim, "dkdv"))))
-                    elif variant == "deterministic":
+                for name, variant in (("sdpa_flash_no_bias", None), ("fat5", None), ("fat5", "deterministic")):
+                    if variant == "deterministic":
                         _apply_overrides((("deterministic", None),))
                     row = {"kind": "peer", "implementation": name, "variant": variant, "head_dim": head_dim,
                            "causal": causal, "forward_backward": phase,
@@ -475,9 +448,12 @@ def sweep(args):
 
 
 def benchmark(args):
+    """All tables and the decoding step; the result file is rewritten after each table (a cut-off run keeps what
+    it measured)."""
     lengths = args.lengths
+    tables = [table for table in TABLES if table[0] in args.tables]
     tasks = []
-    for _, position_encoding, head_dim, peers in TABLES:
+    for _, position_encoding, head_dim, peers in tables:
         for causal in (False, True):
             for length in lengths:
                 for name in peers:
@@ -486,19 +462,28 @@ def benchmark(args):
     tasks += [("decode", "t5", True, cache, 64, ()) for cache in DECODE_CACHES]
     warm_caches(tasks, args.jobs)
 
-    results = {"copy_gb_per_s": copy_bandwidth_gb_per_s(), "tables": {}, "decoding": []}
-    summary = []
-    for table_name, position_encoding, head_dim, peers in TABLES:
+    results = {"copy_gb_per_s": copy_bandwidth_gb_per_s(), "tables": {}, "decoding": [], "summary": []}
+    for cache in DECODE_CACHES:
+        for name in ("fat5", "sdpa_flash_no_bias"):
+            row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}
+            row["fraction_of_copy_bandwidth"] = row["graph_gb_per_s"] / results["copy_gb_per_s"]
+            results["decoding"].append(row)
+            print(row, flush=True)
+    for table_name, position_encoding, head_dim, peers in tables:
         rows = []
         for causal in (False, True):
             for name in peers:
-                errors = correctness(name, position_encoding, causal, head_dim)
+                try:
+                    errors = correctness(name, position_encoding, causal, head_dim)
+                except Exception as error:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
+                    errors = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 print(f"{table_name} causal={causal} {name} errors {errors}", flush=True)
                 for length in lengths:
                     row = {"implementation": name, "causal": causal, "length": length, "batch": TOKENS // length,
                            "errors": errors}
                     for phase in ("forward", "forward_backward"):
-                        if name == "sdpa_materialised" and length > MATERIALISED_MAX_LENGTH[phase]:
+                        if "error" in errors or (name == "sdpa_materialised"
+                                                 and length > MATERIALISED_MAX_LENGTH[phase]):
                             continue
                         try:
                             row[phase] = timed(name, position_encoding, causal, length, head_dim,
@@ -509,15 +494,10 @@ def benchmark(args):
                     rows.append(row)
                     print(table_name, {k: v for k, v in row.items() if k != "errors"}, flush=True)
         results["tables"][table_name] = rows
-        summary += _ratios(table_name, rows)
-    for cache in DECODE_CACHES:
-        for name in ("fat5", "sdpa_flash_no_bias"):
-            row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}
-            row["fraction_of_copy_bandwidth"] = row["graph_gb_per_s"] / results["copy_gb_per_s"]
-            results["decoding"].append(row)
-            print(row, flush=True)
+        results["summary"] += _ratios(table_name, rows)
+        write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
     print()
-    print(markdown_table(summary, list(summary[0].keys())))
+    print(markdown_table(results["summary"], list(results["summary"][0].keys())))
     return results
 
 
@@ -587,6 +567,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/attention.json")
     parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations instead")
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--tables", nargs="+", default=[table[0] for table in TABLES], help="subset of the tables")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()

@@ -76,7 +76,11 @@ def compare(inputs, kernel_fn, truth_fn, out_tolerance, grad_tolerance):
     for index, (grad, expected_grad) in enumerate(zip(grads, expected_grads)):
         assert grad.shape == expected_grad.shape and grad.dtype == differentiable[index].dtype
         assert torch.isfinite(grad).all()
-        assert relative_error(grad, expected_grad) <= grad_tolerance, f"gradient {index}"
+        # sums that cancel to ~0 (a table row whose keys all share one bucket: softmax rows sum to zero) need a
+        # floor besides the relative tolerance
+        difference = (grad.float() - expected_grad.float()).norm()
+        floor = 1e-5 * expected_grad.numel() ** 0.5
+        assert difference <= grad_tolerance * expected_grad.float().norm() + floor, f"gradient {index}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -87,9 +87,10 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 CONFIG_OVERRIDES: dict = {}
 # Diagonals of a near T5 tile re-read per step of the table-gradient reduction (registers of the skewed read).
 _DIAGONAL_CHUNK = 32
-# Code-shape variants timed by benchmarks/attention.py --sweep: one pipelined loop with branches on the block index,
-# or one loop per range of blocks (far-left / near / far-right / masked) with the branches resolved at compile time.
-VARIANTS = {"forward_single_loop": False, "dkdv_single_loop": False}
+# dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
+# own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
+# (H100, benchmarks/results/attention_sweep.json).
+_FUSED_DQ_MAX_HEAD_DIM = 64
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -313,7 +314,6 @@ def _forward(
             POSITION=_POSITION_CODES[position_encoding], MAX_DISTANCE=max_distance_arg, CAUSAL=causal,
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
             SAFE_CLEAN=padding is not None or position_encoding == "bias",
-            SINGLE_LOOP=VARIANTS["forward_single_loop"],
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
         if is_split:
@@ -378,9 +378,9 @@ def _backward(
             problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
         )
         grid = (num_n_blocks, problem.batch * problem.num_heads)
-        # dq: added into an fp32 buffer by the dk/dv kernel (atomics, as FlashAttention-2), or, when PyTorch is
-        # asked for deterministic algorithms, computed by its own kernel (three more products per tile)
-        fused_dq = not torch.are_deterministic_algorithms_enabled()
+        # dq: added into an fp32 buffer by the dk/dv kernel (atomics, as FlashAttention-2), or computed by its own
+        # kernel (three more products per tile, no atomics) for large heads and under deterministic algorithms
+        fused_dq = problem.head_dim <= _FUSED_DQ_MAX_HEAD_DIM and not torch.are_deterministic_algorithms_enabled()
         dq_accumulator = torch.zeros(query.shape, dtype=torch.float32, device=device) if fused_dq else dummy
         _attention_backward_dkdv_kernel[grid](
             query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
@@ -394,7 +394,7 @@ def _backward(
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
             *shape_arguments, scale,
             BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position_encoding],
-            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq, SINGLE_LOOP=VARIANTS["dkdv_single_loop"],
+            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
             **common, **_launch_kwargs(dkdv_config, device),
         )
         if table_grad:

@@ -236,61 +236,6 @@ def _forward_inner(
 
 
 @triton.jit
-def _forward_single_loop(
-    acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-    stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-    far_left_bias, far_right_bias, block_lo, far_left_end, far_right_start, clean_end, block_hi,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    POSITION: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """The same key blocks as the ranges of ``_forward_inner`` in one software-pipelined loop: the far/near and
-    masked cases are branches on the (uniform) block index, so the pipeline fills once per program."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for block in range(block_lo, block_hi):
-        keys = block * BLOCK_N + offs_n
-        k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if POSITION == POSITION_T5:
-            far_left = block < far_left_end
-            if far_left | ((block >= far_right_start) & (block < clean_end)):
-                scores = scores + tl.where(far_left, far_left_bias, far_right_bias)
-            else:
-                scores = _score_bias(
-                    scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m,
-                    stride_bias_n, bias_scalar, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False,
-                )
-        else:
-            scores = _score_bias(
-                scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-                bias_scalar, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False,
-            )
-        if block >= clean_end:
-            visible = keys[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= query_positions[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-        if HAS_PADDING:
-            keep = tl.load(mask_base + keys, mask=keys < seqlen_k, other=0) != 0
-            scores = tl.where(keep[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw only masked keys: no NaN
-        p = tl.math.exp2(scores - shift[:, None])
-        alpha = tl.math.exp2(row_max - shift)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        row_max = new_max
-    return acc, row_sum, row_max
-
-
-@triton.jit
 def _program_coordinates(
     CuSeqlensQ,
     CuSeqlensK,
@@ -363,7 +308,6 @@ def _attention_forward_kernel(
     IS_VARLEN: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     SAFE_CLEAN: tl.constexpr,
-    SINGLE_LOOP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -409,38 +353,30 @@ def _attention_forward_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if SINGLE_LOOP:
-        far_left_bias = 0.0
-        far_right_bias = 0.0
-        if POSITION == POSITION_T5:
-            far_left_bias = tl.load(bias_base)
-            far_right_bias = tl.load(bias_base + 2 * MAX_DISTANCE + 2)
-        acc, row_sum, row_max = _forward_single_loop(
-            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            far_left_bias, far_right_bias, block_lo, far_left_end, far_right_start, clean_end, block_hi,
-            BLOCK_N, HEAD_DIM, POSITION, MAX_DISTANCE, CAUSAL, HAS_PADDING, INPUT_PRECISION,
-        )
-    elif POSITION == POSITION_T5:
+    if POSITION == POSITION_T5:
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
             block_lo, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
-        acc, row_sum, row_max = _forward_inner(
-            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
-            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
-        )
-        acc, row_sum, row_max = _forward_inner(
-            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
-            tl.load(bias_base + 2 * MAX_DISTANCE + 2),
-            far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
-            False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
-        )
+        if CAUSAL:  # nothing lies far to the right: the near blocks run in the masked loop (one pipeline fill less)
+            masked_start = far_left_end
+        else:
+            acc, row_sum, row_max = _forward_inner(
+                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+                far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+                False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+            )
+            acc, row_sum, row_max = _forward_inner(
+                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+                tl.load(bias_base + 2 * MAX_DISTANCE + 2),
+                far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+                False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+            )
+            masked_start = clean_end
     else:
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
@@ -448,13 +384,13 @@ def _attention_forward_kernel(
             block_lo, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
-    if not SINGLE_LOOP:
-        acc, row_sum, row_max = _forward_inner(
-            acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            clean_end, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
-            True, CAUSAL, HAS_PADDING, True, INPUT_PRECISION,
-        )
+        masked_start = clean_end
+    acc, row_sum, row_max = _forward_inner(
+        acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+        stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+        masked_start, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+        True, CAUSAL, HAS_PADDING, True, INPUT_PRECISION,
+    )
 
     if IS_SPLIT:  # unnormalised partial results, merged by _split_combine_kernel
         partial = (tl.program_id(2) * tl.num_programs(1) + pid_bh).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -623,101 +559,6 @@ def _backward_tile_ds(
 
 
 @triton.jit
-def _backward_tile_ds_single_loop(
-    k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
-    bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
-    is_far, far_bias, is_masked,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    POSITION: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """``_backward_tile_ds`` with the far/near and masked cases as branches on the (uniform) block index."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    query_positions = rows + query_offset
-    in_rows = rows < seqlen_q
-    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
-    scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-    if POSITION == POSITION_T5:
-        if is_far:
-            scores_t = scores_t + far_bias
-        else:
-            scores_t = _score_bias(
-                scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-                bias_scalar, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True,
-            )
-    else:
-        scores_t = _score_bias(
-            scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-            bias_scalar, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True,
-        )
-    if is_masked:
-        visible = keys[:, None] < seqlen_k
-        if CAUSAL:
-            visible = visible & (keys[:, None] <= query_positions[None, :])
-        scores_t = tl.where(visible, scores_t, float("-inf"))
-    p_t = tl.math.exp2(scores_t - lse[None, :])
-    if HAS_PADDING:
-        p_t = tl.where(key_keep[:, None], p_t, 0.0)
-    do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    return q, do, p_t, ds_t
-
-
-@triton.jit
-def _backward_dkdv_single_loop(
-    dk, dv, far_left_sum, far_right_sum, k, v, keys, key_keep,
-    q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
-    bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
-    seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_left_bias, far_right_bias,
-    block_lo, clean_start, far_right_end, far_left_start, num_m_blocks,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    POSITION: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    TABLE_GRAD: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """The query blocks of ``_attention_backward_dkdv_kernel``'s ranges in one software-pipelined loop."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    for block in range(block_lo, num_m_blocks):
-        far_right = (block >= clean_start) & (block < far_right_end)
-        far_left = block >= far_left_start
-        q, do, p_t, ds_t = _backward_tile_ds_single_loop(
-            k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
-            far_left | far_right, tl.where(far_left, far_left_bias, far_right_bias), block < clean_start,
-            BLOCK_M, HEAD_DIM, POSITION, MAX_DISTANCE, CAUSAL, HAS_PADDING, INPUT_PRECISION,
-        )
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        if FUSED_DQ:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION)
-            tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq * scale,
-                          mask=rows[:, None] < seqlen_q, sem="relaxed")
-        if TABLE_GRAD:  # a far tile: one bucket, its share of the table gradient is the tile sum
-            tile_sum = tl.sum(tl.sum(ds_t, axis=1), axis=0)
-            far_left_sum += tl.where(far_left, tile_sum, 0.0)
-            far_right_sum += tl.where(far_right, tile_sum, 0.0)
-        if BIAS_GRAD:
-            tl.store(dbias_base + rows[None, :] * stride_dbias_m + keys[:, None] * stride_dbias_n, ds_t,
-                     mask=(rows[None, :] < seqlen_q) & (keys[:, None] < seqlen_k))
-    return dk, dv, far_left_sum, far_right_sum
-
-
-@triton.jit
 def _backward_dkdv_inner(
     dk, dv, far_sum, k, v, keys, key_keep,
     q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
@@ -822,7 +663,6 @@ def _attention_backward_dkdv_kernel(
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
-    SINGLE_LOOP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """dk and dv of one key block, looping over the query blocks. For T5 it also writes the far tiles' share of
@@ -855,62 +695,53 @@ def _attention_backward_dkdv_kernel(
     far_left_sum = tl.zeros([], dtype=tl.float32)
     far_right_sum = tl.zeros([], dtype=tl.float32)
     unused_sum = tl.zeros([], dtype=tl.float32)
-    if SINGLE_LOOP:
-        far_left_bias = 0.0
-        far_right_bias = 0.0
-        if POSITION == POSITION_T5:
-            far_left_bias = tl.load(bias_base)
-            far_right_bias = tl.load(bias_base + 2 * MAX_DISTANCE + 2)
-        else:  # no far tiles: every unmasked block is "near" (per-score bias)
-            far_right_end = clean_start
-            far_left_start = num_m_blocks
-        dk, dv, far_left_sum, far_right_sum = _backward_dkdv_single_loop(
-            dk, dv, far_left_sum, far_right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm,
-            lse_base, delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m,
-            stride_dbias_n, dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar,
-            far_left_bias, far_right_bias, block_lo, clean_start, far_right_end, far_left_start, num_m_blocks,
-            BLOCK_M, HEAD_DIM, POSITION, MAX_DISTANCE, CAUSAL, HAS_PADDING, TABLE_GRAD, BIAS_GRAD, FUSED_DQ,
-            INPUT_PRECISION,
-        )
+    if POSITION == POSITION_T5:
+        if CAUSAL:  # nothing lies far to the right (queries before the keys): the near blocks join the masked loop
+            masked_end = far_left_start
+        else:
+            masked_end = clean_start
     else:
-        dk, dv, unused_sum = _backward_dkdv_inner(
-            dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
-            seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, block_lo, clean_start,
-            BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
-            False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
-        )
-        if POSITION == POSITION_T5:
+        masked_end = clean_start
+    dk, dv, unused_sum = _backward_dkdv_inner(
+        dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+        bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
+        seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, block_lo, masked_end,
+        BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+    )
+    if POSITION == POSITION_T5:
+        if not CAUSAL:
             dk, dv, far_right_sum = _backward_dkdv_inner(
                 dk, dv, far_right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base + 2 * MAX_DISTANCE + 2),
-                clean_start, far_right_end,
+                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
+                tl.load(bias_base + 2 * MAX_DISTANCE + 2), clean_start, far_right_end,
                 BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
                 TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
             )
             dk, dv, unused_sum = _backward_dkdv_inner(
                 dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end, far_left_start,
-                BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-                False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end,
+                far_left_start, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
+                HAS_PADDING, False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
             )
-            dk, dv, far_left_sum = _backward_dkdv_inner(
-                dk, dv, far_left_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
-                delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base), far_left_start, num_m_blocks,
-                BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-                TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
-            )
-        else:
-            dk, dv, unused_sum = _backward_dkdv_inner(
-                dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
-                delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, clean_start, num_m_blocks,
-                BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
-                False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
-            )
+        dk, dv, far_left_sum = _backward_dkdv_inner(
+            dk, dv, far_left_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base),
+            far_left_start, num_m_blocks,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+        )
+    else:
+        dk, dv, unused_sum = _backward_dkdv_inner(
+            dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+            dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, clean_start,
+            num_m_blocks, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+        )
     offs_d = tl.arange(0, HEAD_DIM)
     in_keys = keys[:, None] < seqlen_k
     dk_base = DK + batch64 * stride_dkb + head64 * stride_dkh + k_start * stride_dkn
@@ -1020,17 +851,22 @@ def _t5_near_table_gradient_kernel(
     )
     left_sum = tl.zeros([], dtype=tl.float32)
     right_sum = tl.zeros([], dtype=tl.float32)
+    if CAUSAL:  # the near blocks follow the masked ones directly (nothing lies far to the right): one loop
+        masked_end = far_left_start
+    else:
+        masked_end = clean_start
     left_sum, right_sum = _near_table_gradient_inner(
         left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, clean_start,
+        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
         BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
     )
-    left_sum, right_sum = _near_table_gradient_inner(
-        left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
-        far_left_start,
-        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
-    )
+    if not CAUSAL:
+        left_sum, right_sum = _near_table_gradient_inner(
+            left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
+            far_left_start,
+            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
+        )
     tl.store(distance_row, left_sum)
     tl.store(distance_row + 2 * MAX_DISTANCE + 2, right_sum)
 
@@ -1151,18 +987,22 @@ def _attention_backward_dq_kernel(
             0, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
             INPUT_PRECISION,
         )
-        dq = _backward_dq_inner(
-            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
-            HAS_PADDING, INPUT_PRECISION,
-        )
-        dq = _backward_dq_inner(
-            dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-            stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
-            tl.load(bias_base + 2 * MAX_DISTANCE + 2), far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION,
-            BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, INPUT_PRECISION,
-        )
+        if CAUSAL:  # nothing lies far to the right: the near blocks run in the masked loop
+            masked_start = far_left_end
+        else:
+            dq = _backward_dq_inner(
+                dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
+                far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False,
+                CAUSAL, HAS_PADDING, INPUT_PRECISION,
+            )
+            dq = _backward_dq_inner(
+                dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+                tl.load(bias_base + 2 * MAX_DISTANCE + 2), far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION,
+                BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, INPUT_PRECISION,
+            )
+            masked_start = clean_end
     else:
         dq = _backward_dq_inner(
             dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
@@ -1170,10 +1010,11 @@ def _attention_backward_dq_kernel(
             0, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
             INPUT_PRECISION,
         )
+        masked_start = clean_end
     dq = _backward_dq_inner(
         dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
         stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-        clean_end, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        masked_start, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
         INPUT_PRECISION,
     )
     dq_base = DQ + batch64 * stride_dqb + head64 * stride_dqh + q_start * stride_dqm
