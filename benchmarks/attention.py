@@ -108,21 +108,15 @@ def implementation(name, position_encoding, causal, length, head_dim):
             )
         return run
     if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
-        compiled = _compiled_flex(flex_attention)
         block_mask = None
         if causal:
             block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, length, length, device=DEVICE)
+        compiled = _compiled_flex(position_encoding, bidirectional)
 
         def run(q, k, v, position):
-            if position_encoding == "t5":
-                def score_mod(score, b, h, q_idx, kv_idx):
-                    return score + position[t5_bucket_torch(kv_idx - q_idx, bidirectional), h].to(score.dtype)
-            else:
-                def score_mod(score, b, h, q_idx, kv_idx):
-                    return score - position[h] * (kv_idx - q_idx).abs().to(score.dtype)
-            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+            return compiled(q, k, v, position, block_mask)
         return run
     if name == "sdpa_materialised":
         from fat5.kernels.position_bias import t5_position_bias
@@ -140,10 +134,24 @@ def implementation(name, position_encoding, causal, length, head_dim):
 _FLEX = {}
 
 
-def _compiled_flex(flex_attention):
-    if "compiled" not in _FLEX:
-        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["compiled"]
+def _compiled_flex(position_encoding, bidirectional):
+    """One compiled function per bias kind: the score_mod is defined inside it, so that torch.compile traces it
+    once per shape instead of seeing a new closure (and recompiling, then falling back to eager) on every call."""
+    key = (position_encoding, bidirectional)
+    if key not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def flex_with_bias(q, k, v, position, block_mask):
+            if position_encoding == "t5":
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return score + position[t5_bucket_torch(kv_idx - q_idx, bidirectional), h].to(score.dtype)
+            else:
+                def score_mod(score, b, h, q_idx, kv_idx):
+                    return score - position[h] * (kv_idx - q_idx).abs().to(score.dtype)
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+
+        _FLEX[key] = torch.compile(flex_with_bias, dynamic=False)
+    return _FLEX[key]
 
 
 def make_inputs(batch, length, head_dim, position_encoding, seed=0, dtype=torch.bfloat16):

@@ -8,6 +8,7 @@ Both entry points go through two custom ops (``attention_forward`` and ``attenti
 implementations), so ``torch.compile(fullgraph=True)`` traces through attention without a graph break.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -104,14 +105,24 @@ def _config(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype) 
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:
         return _FP32_DECODE_CONFIG if kind == "decode" else _FP32_CONFIG
-    major, _ = torch.cuda.get_device_capability(device)
-    return _CONFIGS["sm90" if major >= 9 else "sm80"][kind][head_dim]
+    return _CONFIGS[_architecture(device.index)][kind][head_dim]
+
+
+@functools.cache
+def _architecture(device_index) -> str:
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return "sm90" if major >= 9 else "sm80"
 
 
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessor_count(device.index)
+
+
+@functools.cache
+def _multiprocessor_count(device_index) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _launch_kwargs(config: LaunchConfig, device: torch.device) -> dict:
@@ -141,7 +152,8 @@ class _DeviceGuard:
 # T5 buckets and the per-head bias by relative position
 
 
-def _t5_bucket_constants(bidirectional: bool, num_buckets: int, max_distance: int) -> dict:
+def _check_t5_buckets(bidirectional: bool, num_buckets: int, max_distance: int) -> tuple[int, int]:
+    """(buckets per direction, exact buckets), or a ValueError for parameters T5's bucket function cannot use."""
     half_buckets = num_buckets // 2 if bidirectional else num_buckets
     max_exact = half_buckets // 2
     if max_exact < 1 or max_distance <= max_exact:
@@ -149,6 +161,12 @@ def _t5_bucket_constants(bidirectional: bool, num_buckets: int, max_distance: in
             f"T5 buckets need num_buckets >= {4 if bidirectional else 2} and max_distance > the exact range "
             f"({max_exact}); got num_buckets={num_buckets}, max_distance={max_distance}"
         )
+    return half_buckets, max_exact
+
+
+@functools.cache
+def _t5_bucket_constants(bidirectional: bool, num_buckets: int, max_distance: int) -> dict:
+    half_buckets, max_exact = _check_t5_buckets(bidirectional, num_buckets, max_distance)
     divisor = torch.tensor(math.log(max_distance / max_exact), dtype=torch.float32)
     one = torch.tensor(1.0, dtype=torch.float32)
     return {
@@ -189,7 +207,7 @@ def t5_relative_buckets(
             RECIPROCAL=device.type == "cuda",
             WRITE_BIAS=table is not None,
             BLOCK=block,
-            **_t5_bucket_constants(bidirectional, num_buckets, max_distance),
+            **_t5_bucket_constants(bool(bidirectional), int(num_buckets), int(max_distance)),
         )
     return buckets, bias
 
@@ -544,6 +562,37 @@ def _attention_backward(ctx, grad_out, grad_lse):
 attention_forward_op.register_autograd(_attention_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the custom ops, without their dispatch: outside ``torch.compile`` the
+    custom-op machinery costs more host time than a short attention call takes on the GPU."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options):
+        out, lse = _forward(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+                            *options)
+        ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
+                              cu_seqlens_k)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        position_grad = ctx.needs_input_grad[4] and ctx.options[5] in ("t5", "bias")
+        dq, dk, dv, position_gradient = _backward(
+            grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+            *ctx.options, position_grad,
+        )
+        return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 11
+
+
+def _attention(*arguments) -> torch.Tensor:
+    """The custom op when traced by torch.compile (no graph break), the autograd.Function otherwise."""
+    if torch.compiler.is_compiling():
+        return attention_forward_op(*arguments)[0]
+    return _EagerAttention.apply(*arguments)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Entry points
 
@@ -569,7 +618,7 @@ def _check_triton_arguments(query, position_encoding, relative_attention_bias, n
             )
         if max_distance > _MAX_T5_DISTANCE:
             raise ValueError(f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, got {max_distance}")
-        _t5_bucket_constants(bidirectional, num_buckets, max_distance)
+        _check_t5_buckets(bidirectional, num_buckets, max_distance)
     if position_encoding == "alibi" and alibi_slopes.shape != (num_heads,):
         raise ValueError(f"alibi_slopes must be (heads,) = ({num_heads},), got {tuple(alibi_slopes.shape)}")
 
@@ -637,7 +686,7 @@ def flash_attention(
                 f"= {(batch, num_heads, query_length, key_length)}"
             ) from error
     query, key, value = _prepare((query, key, value), head_dim)
-    out, _ = attention_forward_op(
+    out = _attention(
         query, key, value, key_padding_mask,
         _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
         None, None, query_length, key_length, float(scale), bool(causal), int(query_offset), position_encoding,
@@ -677,7 +726,7 @@ def flash_attention_varlen(
             f"{(num_heads, max_seqlen_q, max_seqlen_k)}, got {tuple(attn_bias.shape)}"
         )
     query, key, value = _prepare((query, key, value), head_dim)
-    out, _ = attention_forward_op(
+    out = _attention(
         query, key, value, None,
         _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k),
