@@ -87,6 +87,7 @@ def t5_bucket_torch(relative, bidirectional):
 
 
 def implementation(name, position_encoding, causal, length, head_dim):
+    torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape of the run
     """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,16 +136,25 @@ _FLEX = {}
 
 
 def _compiled_flex(position_encoding, bidirectional):
-    """One compiled function per bias kind: the score_mod is defined inside it, so that torch.compile traces it
-    once per shape instead of seeing a new closure (and recompiling, then falling back to eager) on every call."""
+    """One compiled function per bias kind, with the score_mod defined inside it (a new closure per call would make
+    torch.compile recompile on every call and fall back to the unfused path).
+
+    The T5 score_mod reads a per-head bias by relative position, gathered from the table once per call (the table's
+    gradient then flows through that gather): the bucket function per score inside the score_mod, and the
+    gradient of 32 x heads entries accumulated by the fused backward, were measured at 1-7 TFLOP/s.
+    """
     key = (position_encoding, bidirectional)
     if key not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         def flex_with_bias(q, k, v, position, block_mask):
+            length = q.shape[-2]
             if position_encoding == "t5":
+                relative = torch.arange(-length + 1, length, device=q.device)
+                by_distance = position[t5_bucket_torch(relative, bidirectional)].t().to(q.dtype)  # (heads, 2L-1)
+
                 def score_mod(score, b, h, q_idx, kv_idx):
-                    return score + position[t5_bucket_torch(kv_idx - q_idx, bidirectional), h].to(score.dtype)
+                    return score + by_distance[h, kv_idx - q_idx + length - 1]
             else:
                 def score_mod(score, b, h, q_idx, kv_idx):
                     return score - position[h] * (kv_idx - q_idx).abs().to(score.dtype)
