@@ -12,10 +12,13 @@ Conventions shared by every kernel here:
   max_distance) and gathers the table into a per-head row ``bias_by_distance[h, rel + D + 1]`` (log2 units).
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
-  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum; a near
-  tile is summed along its diagonals (equal ``rel``) by a skewed re-read through a per-program scratch tile, into
-  that program's own fp32 row of sums per relative position: no atomics, deterministic. The rows are reduced in a
-  fixed order and mapped to buckets afterwards.
+  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
+  by the dk/dv kernel); the near tiles are recomputed by ``_t5_near_table_gradient_kernel`` and summed along their
+  diagonals (equal ``rel``) by a skewed re-read through a per-program scratch tile, into that program's own fp32
+  row of sums per relative position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
+  buckets afterwards.
+* dq: fp32 atomics from the dk/dv kernel (as FlashAttention-2) for head_dim <= 64, else (and under
+  ``torch.use_deterministic_algorithms``) its own kernel.
 * Each program splits its loop over the other axis into ranges with compile-time behaviour: tiles that need no
   causal/boundary mask, split for T5 into far-left, near and far-right, and the tiles that need masking.
 """
