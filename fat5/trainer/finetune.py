@@ -680,7 +680,9 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
             model_kwargs["id2label"] = dict(enumerate(label_names))
             model_kwargs["label2id"] = {name: index for index, name in enumerate(label_names)}
 
-    tokenized = tokenize_datasets(limit_samples(raw, data), tokenizer, task, data, label_ids)
+    # under several processes the main one tokenizes first and the others read the datasets cache it wrote
+    with args.main_process_first(desc="tokenizing"):
+        tokenized = tokenize_datasets(limit_samples(raw, data), tokenizer, task, data, label_ids)
     set_seed(args.seed)
     model = load_model(task, model_path, model_kwargs, config["dtype"])
     if len(tokenizer) > model.config.vocab_size:
@@ -732,8 +734,11 @@ def merge_adapter(setup: FinetuneSetup, adapter_dir: Path, merged_dir: Path) -> 
 
 def run_finetune(setup: FinetuneSetup) -> dict:
     """Train, evaluate and save what `prepare_finetune` built; returns the paths written and the metrics."""
+    from .trainer import require_full_state_dict
+
     config, trainer = setup.config, setup.trainer
     output_dir = Path(config["output_dir"])
+    require_full_state_dict(trainer)
     train_result = trainer.train()
     eval_metrics = trainer.evaluate() if setup.eval_dataset is not None else None
 
@@ -775,6 +780,8 @@ def run_finetune(setup: FinetuneSetup) -> dict:
         metrics = {"train": result["train"], "eval": result["eval"]}
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
         (output_dir / "finetune_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    # no process returns before the main one has written what the result names
+    trainer.accelerator.wait_for_everyone()
     return result
 
 

@@ -123,12 +123,13 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     ``config`` is a YAML path, a mapping, or None for the built-in default; ``resume`` continues from the last
     checkpoint in ``output_dir``.
     """
+    from accelerate import PartialState
     from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainingArguments, set_seed
 
     from .collator import UL2DataCollator
     from .data import tokenize_dataset
     from .packing import PackedStreamDataset, UL2PackedBatchSampler
-    from .trainer import FAT5Trainer
+    from .trainer import FAT5Trainer, require_full_state_dict
 
     settings = load_config(config)
     output_dir = Path(output_dir or "outputs/fat5-pretrain")
@@ -143,8 +144,14 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     set_seed(seed)
     text_column = "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
 
-    train_texts, eval_texts = load_corpus(data, seed)
-    tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir, resume)
+    # under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
+    # cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a
+    # tokenizer trained on each rank could differ, and would then give the same ids different meanings
+    state = PartialState()
+    with state.main_process_first():
+        train_texts, eval_texts = load_corpus(data, seed)
+        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir,
+                                  resume or not state.is_main_process)
     model = build_model(settings["model"], tokenizer)
     collator = UL2DataCollator(
         tokenizer,
@@ -190,6 +197,7 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
         train_batch_sampler=train_sampler,
         eval_batch_sampler=eval_sampler,
     )
+    require_full_state_dict(trainer)
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = trainer.evaluate() if evaluation is not None else {}
 
@@ -205,25 +213,37 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
         "eval_loss": metrics.get("eval_loss"),
         "log_history": trainer.state.log_history,
     }
-    with open(output_dir / "pretrain_summary.json", "w") as handle:
-        json.dump(summary, handle, indent=2)
-    # a last check that what was written is what users will load
-    AutoModelForSeq2SeqLM.from_pretrained(final)
+    if trainer.is_world_process_zero():
+        with open(output_dir / "pretrain_summary.json", "w") as handle:
+            json.dump(summary, handle, indent=2)
+        # a last check that what was written is what users will load
+        AutoModelForSeq2SeqLM.from_pretrained(final)
+    # no process returns before the model and summary are in place
+    trainer.accelerator.wait_for_everyone()
     return summary
 
 
 def _save_verified(trainer, tokenizer, final: Path) -> None:
-    """Save model and tokenizer to a temporary folder, load it back, then move it into place."""
+    """Save model and tokenizer to a temporary folder, load it back, then move it into place.
+
+    Every process calls it: under FSDP, ``save_model`` gathers the full state dict from all of them (and writes
+    it from the main process, as it always does); the files are touched by the main process alone.
+    """
     from transformers import AutoModelForSeq2SeqLM
 
+    main_process = trainer.is_world_process_zero()
     temporary = final.with_name(final.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
+    if main_process:
+        shutil.rmtree(temporary, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
     trainer.save_model(str(temporary))
-    tokenizer.save_pretrained(str(temporary))
-    AutoModelForSeq2SeqLM.from_pretrained(temporary)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(temporary, final)
+    if main_process:
+        tokenizer.save_pretrained(str(temporary))
+        AutoModelForSeq2SeqLM.from_pretrained(temporary)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+    trainer.accelerator.wait_for_everyone()
 
 
 def add_pretrain_command(subparsers) -> None:

@@ -29,6 +29,19 @@ def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tenso
     return encoder_tokens, slots
 
 
+def require_full_state_dict(trainer) -> None:
+    """Raise FAT5Error, before any training, when FSDP would save sharded checkpoints: ``save_model`` then writes
+    no model at all, and a job's final folder must be a plain model that ``from_pretrained`` loads."""
+    from ..errors import FAT5Error
+
+    if trainer.is_fsdp_enabled:
+        state_dict_type = str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+        if "FULL_STATE_DICT" not in state_dict_type:
+            raise FAT5Error(f"FSDP state dict type {state_dict_type}: the final model would not be saved; set "
+                            "fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config "
+                            "(examples/accelerate/fsdp.yaml)")
+
+
 def _yields_batches(dataset) -> bool:
     from .packing import PackedStreamDataset
 
@@ -40,7 +53,8 @@ class FAT5Trainer(Seq2SeqTrainer):
 
     Training logs gain ``ce_loss`` and ``z_loss`` (their means since the last log), ``tokens_per_second`` (real
     tokens, encoder and labelled decoder positions, per second of wall time since the last log, all processes) and
-    ``padding_fraction`` (the share of batch slots that held padding).
+    ``padding_fraction`` (the share of batch slots that held padding); under several processes each is the figure
+    of the whole job (losses averaged over every process's batches, tokens and slots summed).
 
     Packed UL2 batches come from a batch sampler (``train_batch_sampler`` / ``eval_batch_sampler``, e.g.
     :class:`~fat5.trainer.packing.UL2PackedBatchSampler`, whose batches depend only on its seed and the epoch, so a
@@ -88,7 +102,8 @@ class FAT5Trainer(Seq2SeqTrainer):
 
     def _reset_window(self) -> None:
         self._window_loss_parts = None
-        self._window_steps = 0
+        self._window_batches = 0
+        self._window_parts_are_shares = False
         self._window_tokens = None
         self._window_slots = 0
         self._window_start = time.perf_counter()
@@ -98,22 +113,38 @@ class FAT5Trainer(Seq2SeqTrainer):
         if model.training:
             # kept on the device: adding them up here costs no synchronisation, the log reads them once
             tokens, slots = count_tokens(inputs, decoder_labels=getattr(outputs, "ce_loss", None) is not None)
+            if self._window_tokens is None:
+                # the optimizer steps of this window are counted from here (a resumed run starts past 0)
+                self._window_first_step = self.state.global_step
             self._window_tokens = tokens if self._window_tokens is None else self._window_tokens + tokens
             self._window_slots += slots
             parts = getattr(outputs, "ce_loss", None), getattr(outputs, "z_loss", None)
             if parts[0] is not None:
                 parts = torch.stack([parts[0].detach().float(), parts[1].detach().float()])
                 self._window_loss_parts = parts if self._window_loss_parts is None else self._window_loss_parts + parts
-                self._window_steps += 1
+                self._window_batches += 1
+                # divided by the token count of a whole optimizer step, a batch's parts are its share of the step
+                self._window_parts_are_shares = num_items_in_batch is not None
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs and self._window_tokens is not None:
+            # every process logs together (the Trainer gathers the loss there too), so one summed reduction gives
+            # the figures of the whole job: packed batches differ in size from rank to rank, and so do their parts
+            device = self._window_tokens.device
+            parts = self._window_loss_parts if self._window_loss_parts is not None else torch.zeros(2, device=device)
+            # float32, not float64, which MPS lacks; a log needs no more than its 7 digits
+            counts = torch.tensor([self._window_slots, self._window_batches], dtype=torch.float32, device=device)
+            window = torch.cat([self._window_tokens.detach().float().reshape(1), counts, parts.float()])
+            tokens, slots, steps, ce_sum, z_sum = self.accelerator.reduce(window, reduction="sum").tolist()
             if self._window_loss_parts is not None:
-                ce_loss, z_loss = (self._window_loss_parts / self._window_steps).tolist()
-                logs["ce_loss"], logs["z_loss"] = round(ce_loss, 6), round(z_loss, 8)
-            tokens = self.accelerator.reduce(self._window_tokens.detach().clone(), reduction="sum").item()
-            slots = self._window_slots * self.accelerator.num_processes
+                if self._window_parts_are_shares:
+                    # shares add up over a step's batches, and over the ranks when the count spans them all
+                    ranks = 1 if self.args.average_tokens_across_devices else self.accelerator.num_processes
+                    divisor = max(self.state.global_step - self._window_first_step, 1) * ranks
+                else:
+                    divisor = steps
+                logs["ce_loss"], logs["z_loss"] = round(ce_sum / divisor, 6), round(z_sum / divisor, 8)
             elapsed = time.perf_counter() - self._window_start
             logs["tokens_per_second"] = round(tokens / elapsed, 1)
             logs["padding_fraction"] = round(1.0 - tokens / slots, 4)
