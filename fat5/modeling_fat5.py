@@ -179,22 +179,32 @@ class FAT5FIRE(nn.Module):
             nn.ReLU(),
             nn.Linear(config.fire_mlp_width, config.num_heads),
         )
-        self.c = nn.Parameter(torch.tensor(float(config.fire_init_c)))
-        self.threshold = nn.Parameter(torch.tensor(float(config.fire_init_threshold)))
+        # one-element vectors rather than scalars: FSDP cannot shard a 0-dimensional parameter
+        self.c = nn.Parameter(torch.tensor([float(config.fire_init_c)]))
+        self.threshold = nn.Parameter(torch.tensor([float(config.fire_init_threshold)]))
 
     def forward(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
         """The (heads, query_length, key_length) bias."""
-        device = self.c.device
-        query_position = torch.arange(query_length, device=device, dtype=torch.float32)[:, None] + query_offset
-        relative = torch.arange(key_length, device=device, dtype=torch.float32)[None, :] - query_position
-        c = self.c.float().abs()
-        normaliser = torch.log(c * torch.maximum(query_position + 1, self.threshold.float().abs()) + 1)
-        distance = torch.log(c * relative.abs() + 1) / normaliser
-        if self.bidirectional:
-            features = torch.stack((distance * (relative <= 0), distance * (relative > 0)), dim=-1)
-        else:
-            features = distance[..., None]
-        return self.mlp(features.to(self.mlp[0].weight.dtype)).permute(2, 0, 1)
+        return fire_bias(dict(self.named_parameters()), self.bidirectional, query_length, key_length, query_offset)
+
+
+def fire_bias(parameters: dict, bidirectional: bool, query_length: int, key_length: int, query_offset: int = 0):
+    """FIRE's (heads, query_length, key_length) bias from the parameters of a :class:`FAT5FIRE`, by name."""
+    c = parameters["c"]
+    query_position = torch.arange(query_length, device=c.device, dtype=torch.float32)[:, None] + query_offset
+    relative = torch.arange(key_length, device=c.device, dtype=torch.float32)[None, :] - query_position
+    c = c.float().abs()
+    normaliser = torch.log(c * torch.maximum(query_position + 1, parameters["threshold"].float().abs()) + 1)
+    distance = torch.log(c * relative.abs() + 1) / normaliser
+    if bidirectional:
+        features = torch.stack((distance * (relative <= 0), distance * (relative > 0)), dim=-1)
+    else:
+        features = distance[..., None]
+    hidden = nn.functional.linear(
+        features.to(parameters["mlp.0.weight"].dtype), parameters["mlp.0.weight"], parameters["mlp.0.bias"]
+    )
+    bias = nn.functional.linear(nn.functional.relu(hidden), parameters["mlp.2.weight"], parameters["mlp.2.bias"])
+    return bias.permute(2, 0, 1)
 
 
 class FAT5Attention(nn.Module):
@@ -235,11 +245,22 @@ class FAT5Attention(nn.Module):
         if self.has_relative_attention_bias and self.position_encoding == "fire":
             self.fire = FAT5FIRE(config, bidirectional=not is_decoder)
 
-    def _position_arguments(self, owner: "FAT5Attention", query_length: int, key_length: int, query_offset: int, device):
+    def _own_position_parameters(self) -> dict[str, torch.Tensor]:
+        if self.position_encoding == "t5":
+            return {"weight": self.relative_attention_bias.weight}
+        return dict(self.fire.named_parameters())
+
+    def _position_source(self, parameters: dict, query_length: int, key_length: int, query_offset: int):
+        """What the kernels read for the position encoding: T5's bucket table, or FIRE's bias."""
+        if self.position_encoding == "t5":
+            return parameters["weight"]
+        return fire_bias(parameters, not self.is_decoder, query_length, key_length, query_offset)
+
+    def _position_arguments(self, position_source: torch.Tensor | None, device) -> dict:
         if self.position_encoding == "t5":
             return dict(
                 position_encoding="t5",
-                relative_attention_bias=owner.relative_attention_bias.weight,
+                relative_attention_bias=position_source,
                 bidirectional=not self.is_decoder,
                 num_buckets=self.relative_attention_num_buckets,
                 max_distance=self.relative_attention_max_distance,
@@ -250,7 +271,7 @@ class FAT5Attention(nn.Module):
                 self._alibi_slopes = alibi_slopes(self.n_heads).to(device)
             return dict(position_encoding="alibi", alibi_slopes=self._alibi_slopes)
         if self.position_encoding == "fire":
-            return dict(position_encoding="bias", attn_bias=owner.fire(query_length, key_length, query_offset))
+            return dict(position_encoding="bias", attn_bias=position_source)
         return dict(position_encoding="none")
 
     def _rotate(self, states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -264,11 +285,12 @@ class FAT5Attention(nn.Module):
         layout: TokenLayout,
         key_value_states: torch.Tensor | None = None,
         key_value_layout: TokenLayout | None = None,
-        position_owner: "FAT5Attention | None" = None,
+        shared_position: dict[str, torch.Tensor] | None = None,
         past_key_values: EncoderDecoderCache | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """Returns the output and the position parameters that the later layers of the stack use: copies of this
+        layer's own when it has some, else ``shared_position`` (the first layer's) passed on."""
         batch_size, query_length, _ = hidden_states.shape
-        owner = self if self.has_relative_attention_bias else position_owner
         key_value_layout = layout if key_value_layout is None else key_value_layout
         query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
 
@@ -301,11 +323,25 @@ class FAT5Attention(nn.Module):
         backend = "reference" if dropout_p > 0 else self.backend
 
         if layout.is_packed:
+            position_lengths = (layout.max_seqlen, key_value_layout.max_seqlen, 0)
+        else:
+            position_lengths = (query_length, key_length, query_offset)
+        position_source = None
+        if self.has_relative_attention_bias:
+            own = self._own_position_parameters()
+            position_source = self._position_source(own, *position_lengths)
+            # copies, not the parameters: under FSDP this block's parameters are sharded again once it has run, and
+            # a copy's backward needs no parameter values, only adds its gradient to them
+            shared_position = {name: parameter.clone() for name, parameter in own.items()}
+        elif shared_position is not None:
+            position_source = self._position_source(shared_position, *position_lengths)
+        position = self._position_arguments(position_source, query.device)
+
+        if layout.is_packed:
             flat_shape = (-1, self.n_heads, self.key_value_proj_dim)
             packed_query = query.transpose(1, 2).reshape(flat_shape)[layout.indices]
             packed_key = key.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
             packed_value = value.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
-            position = self._position_arguments(owner, layout.max_seqlen, key_value_layout.max_seqlen, 0, query.device)
             packed_output = attention_varlen(
                 packed_query, packed_key, packed_value, layout.cu_seqlens, key_value_layout.cu_seqlens,
                 layout.max_seqlen, key_value_layout.max_seqlen,
@@ -321,14 +357,13 @@ class FAT5Attention(nn.Module):
                     f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
                     "keys (when decoding with a cache, the decoder mask must cover the cached tokens too)"
                 )
-            position = self._position_arguments(owner, query_length, key_length, query_offset, query.device)
             output = attention(
                 query, key, value,
                 scale=self.scale, causal=self.causal, key_padding_mask=key_padding_mask, query_offset=query_offset,
                 dropout_p=dropout_p, backend=backend, **position,
             )
             output = output.transpose(1, 2).reshape(batch_size, query_length, self.inner_dim)
-        return self.o(output)
+        return self.o(output), shared_position
 
 
 class FAT5LayerSelfAttention(nn.Module):
@@ -340,11 +375,11 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = _layer_norm(config)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, position_owner=None, past_key_values=None):
-        attention_output = self.SelfAttention(
-            self.layer_norm(hidden_states), layout, position_owner=position_owner, past_key_values=past_key_values
+    def forward(self, hidden_states, layout, shared_position=None, past_key_values=None):
+        attention_output, shared_position = self.SelfAttention(
+            self.layer_norm(hidden_states), layout, shared_position=shared_position, past_key_values=past_key_values
         )
-        return hidden_states + self.dropout(attention_output)
+        return hidden_states + self.dropout(attention_output), shared_position
 
 
 class FAT5LayerCrossAttention(nn.Module):
@@ -355,7 +390,7 @@ class FAT5LayerCrossAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None):
-        attention_output = self.EncDecAttention(
+        attention_output, _ = self.EncDecAttention(
             self.layer_norm(hidden_states),
             layout,
             key_value_states=key_value_states,
@@ -385,15 +420,17 @@ class FAT5Block(GradientCheckpointingLayer):
         layout,
         encoder_hidden_states=None,
         encoder_layout=None,
-        position_owner=None,
+        shared_position=None,
         past_key_values=None,
     ):
-        hidden_states = _clamp_fp16(self.layer[0](hidden_states, layout, position_owner, past_key_values))
+        """Returns the hidden states and the position encoding's shared tensor (see ``FAT5Attention.forward``)."""
+        hidden_states, shared_position = self.layer[0](hidden_states, layout, shared_position, past_key_values)
+        hidden_states = _clamp_fp16(hidden_states)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = _clamp_fp16(
                 self.layer[1](hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values)
             )
-        return _clamp_fp16(self.layer[-1](hidden_states))
+        return _clamp_fp16(self.layer[-1](hidden_states)), shared_position
 
 
 class FAT5Stack(nn.Module):
@@ -468,18 +505,20 @@ class FAT5Stack(nn.Module):
                     batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device
                 )
 
-        position_owner = self.block[0].layer[0].SelfAttention
+        # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
+        # as a reference to the first block, whose parameters FSDP shards again once it has run
+        shared_position = None
         all_hidden_states = () if output_hidden_states else None
         hidden_states = self.dropout(inputs_embeds)
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states = block(
+            hidden_states, shared_position = block(
                 hidden_states,
                 layout,
                 encoder_hidden_states,
                 encoder_layout,
-                position_owner,
+                shared_position,
                 past_key_values,
             )
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
