@@ -36,6 +36,22 @@ POSITION_T5 = tl.constexpr(1)
 POSITION_ALIBI = tl.constexpr(2)
 POSITION_BIAS = tl.constexpr(3)
 
+# Triton compiles a kernel again for every new combination of "is 1" and "divisible by 16" of its integer
+# arguments. Lengths, offsets and the strides of the per-row statistics change from batch to batch (packed UL2
+# batches, length-grouped finetuning), and knowing them divisible buys nothing (every tile is masked against them):
+# specialising on them only multiplied the compilations of a training run.
+VARYING_ARGUMENTS = (
+    "seqlen_q", "seqlen_k", "query_offset", "blocks_per_split", "num_splits", "stride_mask_b",
+    "stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "first_relative_position", "num_positions",
+)
+
+
+def _jit_for_varying_shapes(kernel):
+    """``triton.jit``, not specialised on the arguments of ``VARYING_ARGUMENTS`` that the kernel takes."""
+    names = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
+    return triton.jit(kernel, do_not_specialize=[name for name in VARYING_ARGUMENTS if name in names])
+
+
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
 
@@ -87,7 +103,7 @@ def _t5_relative_bucket(
     return bucket + tl.where(distance < MAX_EXACT, distance, large)
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _t5_bias_by_distance_kernel(
     Table,
     BiasByDistance,
@@ -289,7 +305,7 @@ def _key_ranges(
     return far_left_end, far_right_start, clean_end, block_hi
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _attention_forward_kernel(
     Q, K, V, Out, Lse, PartialAcc, PartialMax, PartialSum,
     KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
@@ -411,7 +427,7 @@ def _attention_forward_kernel(
         tl.store(lse_base + rows, lse, mask=rows < seqlen_q)
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _split_combine_kernel(
     PartialAcc, PartialMax, PartialSum, Out, Lse, CuSeqlensQ,
     stride_ob, stride_oh, stride_om,
@@ -454,7 +470,7 @@ def _split_combine_kernel(
     tl.store(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, lse, mask=rows < seqlen_q)
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _backward_preprocess_kernel(
     Out, GradOut, Delta, CuSeqlensQ,
     stride_ob, stride_oh, stride_om,
@@ -639,7 +655,7 @@ def _key_block_setup(
     return batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _attention_backward_dkdv_kernel(
     Q, K, V, GradOut, Lse, Delta, DK, DV, DQAccumulator,
     KeyPaddingMask, Bias, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
@@ -805,7 +821,7 @@ def _near_table_gradient_inner(
     return left_sum, right_sum
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _t5_near_table_gradient_kernel(
     Q, K, V, GradOut, Lse, Delta, KeyPaddingMask, Bias, DistanceGrad, Scratch, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
@@ -919,7 +935,7 @@ def _backward_dq_inner(
     return dq
 
 
-@triton.jit
+@_jit_for_varying_shapes
 def _attention_backward_dq_kernel(
     Q, K, V, GradOut, Lse, Delta, DQ,
     KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
