@@ -97,7 +97,22 @@ def write_task(path: Path, examples: int, source_length: int, target_length: int
     target_chars = target_length * CHARACTERS_PER_TOKEN_BOUND
     scenes = [[line for line in text.splitlines() if line.strip()] for text in shakespeare_texts()]
     total_lines = sum(len(lines) for lines in scenes)
+    # passages near a scene's end have no room for their target: tighten the stride until enough remain
     stride = max(1, total_lines // (2 * examples))
+    while True:
+        pairs = _passage_pairs(scenes, stride, source_chars, target_chars)
+        if len(pairs) >= examples or stride == 1:
+            break
+        stride = max(1, stride // 2)
+    if len(pairs) < examples:
+        raise SystemExit(f"the corpus gives {len(pairs)} examples, fewer than the {examples} wanted")
+    order = np.random.default_rng(0).permutation(len(pairs))[:examples]
+    with open(path, "w") as handle:
+        handle.writelines(json.dumps(pairs[index]) + "\n" for index in order)
+
+
+def _passage_pairs(scenes: list[list[str]], stride: int, source_chars: int, target_chars: int) -> list[dict]:
+    """(passage, continuation) pairs starting every ``stride`` lines of each scene, while the scene has room."""
     pairs = []
     for lines in scenes:
         ends = np.cumsum([len(line) + 1 for line in lines])
@@ -109,11 +124,7 @@ def write_task(path: Path, examples: int, source_length: int, target_length: int
                 break
             pairs.append({"text": "\n".join(lines[start:source_end]),
                           "summary": "\n".join(lines[source_end:target_end])})
-    if len(pairs) < examples:
-        raise SystemExit(f"the corpus gives {len(pairs)} examples, fewer than the {examples} wanted")
-    order = np.random.default_rng(0).permutation(len(pairs))[:examples]
-    with open(path, "w") as handle:
-        handle.writelines(json.dumps(pairs[index]) + "\n" for index in order)
+    return pairs
 
 
 class StepTimer(TrainerCallback):
