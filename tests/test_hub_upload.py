@@ -231,6 +231,22 @@ def test_bundle_refuses_a_transformers_folder(tmp_path):
     assert _leftovers(tmp_path / "out") == []
 
 
+def test_bundle_of_corrupted_weights_is_one_clear_line(converted_dir, tmp_path, capsys):
+    """Through the `fat5` command, as a user meets it: exit status 2, one line on stderr, nothing left behind."""
+    from fat5.cli import main
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in converted_dir.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    weights = (converted_dir / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert main(["bundle", str(broken), str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("fat5 bundle: error: ") and "does not load as FAT5ForConditionalGeneration" in line
+    assert _leftovers(tmp_path / "out") == []
+
+
 def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypatch):
     flat = flatten_remote_code()
     flat["modeling_fat5.py"] += "\nraise RuntimeError('deliberately broken remote code')\n"

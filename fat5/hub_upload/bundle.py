@@ -293,10 +293,12 @@ def run_in_clean_process(folder: Path, timeout: float = VALIDATION_TIMEOUT_S) ->
         except subprocess.TimeoutExpired:
             raise BundleError(f"loading {folder} in a fresh process took more than {timeout:.0f} s") from None
         if completed.returncode != 0:
-            tail = "\n".join((completed.stderr or completed.stdout).strip().splitlines()[-15:])
+            # the child's last line is its exception (or SystemExit's message): the reason, without a traceback
+            lines = (completed.stderr or completed.stdout).strip().splitlines()
+            reason = lines[-1] if lines else f"exit status {completed.returncode}"
             raise BundleError(
                 f"{folder} does not load with trust_remote_code=True in a fresh Python process without fat5 and "
-                f"triton:\n{tail}"
+                f"triton: {reason}"
             )
         return torch.load(out_file)
 
@@ -375,12 +377,15 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
     model_class = getattr(modeling_fat5, architectures[0], None)
     if model_class is None:
         raise BundleError(f"{model_dir}: unknown FAT5 architecture {architectures[0]!r}")
+    from safetensors import SafetensorError
+
     from fat5.conversion.convert import _check_loading_info, _quiet_transformers
 
     with _quiet_transformers():
         try:
             model, info = model_class.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
-        except (OSError, ValueError, RuntimeError) as error:
+        # a truncated or corrupted weights file raises SafetensorError, which derives from none of the others
+        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             raise BundleError(f"{model_dir} does not load as {architectures[0]}: {error}") from None
         _check_loading_info(info, model_dir)
         model.save_pretrained(folder, max_shard_size=max_shard_size)
