@@ -378,6 +378,32 @@ def test_existing_output_is_kept_unless_overwrite(converted, tmp_path):
     assert leftovers(out) == ["out"]
 
 
+def test_an_existing_output_fails_before_anything_is_read(converted, tmp_path, monkeypatch):
+    """OUT is checked first, not after a Hub download or a conversion (a bundle is converted in a staging folder)."""
+    import sys
+
+    source, _, _ = converted["t5"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    monkeypatch.setattr(
+        sys.modules["fat5.conversion.convert"], "resolve_source", lambda *args: pytest.fail("read the source first")
+    )
+    for options in ({}, {"bundle": True}):
+        with pytest.raises(FAT5Error, match="already exists"):
+            convert(source, out, **options)
+    assert leftovers(out) == ["out"] and [p.name for p in out.iterdir()] == ["precious.txt"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, in which no folder can be made")
+@pytest.mark.parametrize("options", [{}, {"bundle": True}])
+def test_an_output_folder_that_cannot_be_made(converted, options):
+    with pytest.raises(FAT5Error, match="cannot create a folder beside /proc/fat5-out"):
+        convert(converted["t5"][0], "/proc/fat5-out", **options)
+    with pytest.raises(FAT5Error, match="cannot create a folder beside /proc/fat5-out"):
+        export_hf(converted["t5"][1], "/proc/fat5-out")
+
+
 def test_unreachable_hub_and_bad_paths(tmp_path, monkeypatch):
     import socket
 

@@ -237,6 +237,14 @@ def copy_side_files(source: Path, destination: Path, model_config=None) -> list[
     return copied
 
 
+def check_output_folder(out: Path, overwrite: bool = False) -> None:
+    """Raise unless `out` may become the output: absent, an empty folder, or any folder with `overwrite`."""
+    if out.exists() and not out.is_dir():
+        raise FAT5Error(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FAT5Error(f"{out} already exists and is not empty (pass --overwrite to replace it)")
+
+
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `out` that becomes `out` only if the block completes.
@@ -245,16 +253,16 @@ def atomic_directory(out: str | os.PathLike, overwrite: bool = False) -> Iterato
     existed). An existing non-empty `out` is an error unless `overwrite` is set.
     """
     out = Path(out).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise FAT5Error(f"{out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FAT5Error(f"{out} already exists and is not empty (pass --overwrite to replace it)")
+    check_output_folder(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise FAT5Error(f"cannot create the parent folder of {out}: {error}") from None
     temporary = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
+    try:
+        temporary.mkdir()
+    except OSError as error:  # a read-only or special file system: the user's choice of OUT, not a bug
+        raise FAT5Error(f"cannot create a folder beside {out}: {error}") from None
     try:
         yield temporary
         if out.exists():

@@ -31,6 +31,7 @@ from .checkpoint import (
     ConversionError,
     ResolvedSource,
     atomic_directory,
+    check_output_folder,
     copy_side_files,
     predominant_dtype,
     read_raw_config,
@@ -461,6 +462,8 @@ def convert(
     """
     dtype = _parse_dtype(dtype)
     out = Path(out).expanduser().absolute()
+    # before a Hub download or a conversion that may take minutes (a bundle is converted in a staging folder first)
+    check_output_folder(out, overwrite)
     resolved = resolve_source(src, revision)
     if resolved.path == out or resolved.path in out.parents:
         raise ConversionError(f"the output folder {out} must lie outside the source folder {resolved.path}")
@@ -484,8 +487,11 @@ def convert(
 
     if push_to:
         resolve_token()  # a missing token fails now, not after the conversion
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
+    except OSError as error:
+        raise ConversionError(f"cannot create a folder beside {out}: {error}") from None
     try:
         result = _convert_into(resolved, staging, **options)
         bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=max_shard_size)
