@@ -173,7 +173,7 @@ def test_untied_umt5_is_not_scaled(converted):
     assert masked_relative_error(actual, expected, batch["decoder_attention_mask"]) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["t5", "flan-t5", "umt5"])
+@pytest.mark.parametrize("family", ["t5", "flan-t5", "mt5", "umt5"])
 def test_generation_matches_transformers(converted, family):
     model_type, _, _, _, scale = FAMILIES[family]
     source, out, _ = converted[family]

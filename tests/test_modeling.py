@@ -4,7 +4,15 @@ import pytest
 import torch
 from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration
 
-from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration, FAT5Model
+from fat5 import (
+    FAT5Config,
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+)
 
 TINY = dict(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
             relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
@@ -79,9 +87,12 @@ def test_generation_matches_transformers(family):
     hf = make_hf(family, seed=3)
     model = fat5_from_hf(hf, family)
     input_ids, attention_mask, _ = padded_batch(seed=4)
-    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    for extra in (dict(num_beams=1), dict(num_beams=3)):
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8}
+    greedy, beam, sampling = {"do_sample": False}, {"do_sample": False, "num_beams": 3}, {"do_sample": True, "top_k": 20}
+    for extra in (greedy, beam, sampling):
+        torch.manual_seed(5)  # sampling draws the same numbers for both, so equal logits pick the same tokens
         expected = hf.generate(input_ids=input_ids, attention_mask=attention_mask, **settings, **extra)
+        torch.manual_seed(5)
         actual = model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings, **extra)
         assert torch.equal(actual, expected), extra
 
@@ -201,6 +212,39 @@ def test_auto_classes_round_trip(tmp_path):
         actual = loaded(input_ids=input_ids, attention_mask=attention_mask, labels=labels).logits
     torch.testing.assert_close(actual, expected)
     assert isinstance(AutoModel.from_pretrained(tmp_path), FAT5Model)
+
+
+def test_task_heads_through_the_auto_classes(tmp_path):
+    """`import fat5` registers the heads: each auto class builds its FAT5 head on a saved seq2seq folder (with or
+    without trust_remote_code), with the folder's encoder; the QA loss is the mean of the start and end losses."""
+    from transformers import (
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    model.save_pretrained(tmp_path)
+    input_ids, attention_mask, _ = padded_batch()
+    with torch.no_grad():
+        expected = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    for auto_class, head_class in (
+        (AutoModelForSequenceClassification, FAT5ForSequenceClassification),
+        (AutoModelForTokenClassification, FAT5ForTokenClassification),
+        (AutoModelForQuestionAnswering, FAT5ForQuestionAnswering),
+    ):
+        for trust_remote_code in (False, True):
+            head = auto_class.from_pretrained(tmp_path, trust_remote_code=trust_remote_code).eval()
+            assert type(head) is head_class and head.get_input_embeddings() is head.shared
+            with torch.no_grad():
+                states = head.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            torch.testing.assert_close(states, expected)
+    start, end = torch.tensor([1, 0, 2]), torch.tensor([3, 6, 2])
+    with torch.no_grad():
+        output = head(input_ids=input_ids, attention_mask=attention_mask, start_positions=start, end_positions=end)
+    cross_entropy = torch.nn.functional.cross_entropy
+    expected_loss = (cross_entropy(output.start_logits, start) + cross_entropy(output.end_logits, end)) / 2
+    torch.testing.assert_close(output.loss, expected_loss)
 
 
 def test_tied_model_shares_its_head(tmp_path):
