@@ -204,3 +204,18 @@ class FAT5Config(PretrainedConfig):
             raise ValueError(f"FAT5Config.attention_scale must be a positive number or None, got {self.attention_scale!r}")
         if self.layer_norm_epsilon <= 0:
             raise ValueError(f"FAT5Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+        # RoPE's frequencies are powers of theta, FIRE takes log(c * distance + 1) / log(c * threshold + 1)
+        for name in ("rope_theta", "fire_init_c", "fire_init_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"FAT5Config.{name} must be a positive number, got {value!r}")
+        # a string such as "false" from a hand-edited config.json would be truthy and silently switch the feature on
+        for name in (
+            "tie_word_embeddings",
+            "scale_decoder_outputs",
+            "position_bias_per_layer",
+            "use_fused_cross_entropy",
+            "use_fused_rms_norm",
+        ):
+            if not isinstance(getattr(self, name), bool):  # ValueError, as for every invalid field
+                raise ValueError(f"FAT5Config.{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004

@@ -40,6 +40,14 @@ def test_attention_scale_none_means_inverse_sqrt_head_dim():
         ("label_smoothing", -0.1),
         ("z_loss", -1e-4),
         ("attention_scale", 0),
+        ("rope_theta", -1.0),
+        ("fire_init_c", 0.0),
+        ("fire_init_threshold", -512.0),
+        ("tie_word_embeddings", "false"),
+        ("scale_decoder_outputs", 1),
+        ("position_bias_per_layer", "yes"),
+        ("use_fused_cross_entropy", None),
+        ("use_fused_rms_norm", "no"),
     ],
 )
 def test_invalid_values_name_the_field(field, value):
