@@ -93,6 +93,21 @@ def test_bundle_layout_and_card(bundled, converted_dir):
     assert f"| logits | {report['verification']['logits_relative_error']:.2e} |" in card.text
 
 
+def test_card_of_a_hub_conversion_names_its_base_model_and_licence(tmp_path, monkeypatch):
+    """`fat5 convert HUB_ID OUT --bundle` with no card options: base_model is the Hub id, the licence the source
+    card's (the download itself is replaced by a local folder, as the Hub would leave it in the cache)."""
+    source = make_checkpoint(tmp_path / "src", "mt5")
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# mT5\n")
+    checkpoint = sys.modules["fat5.conversion.checkpoint"]
+    monkeypatch.setattr(checkpoint, "_download_from_hub", lambda repo_id, revision: source)
+    result = convert("google/mt5-small", tmp_path / "out", bundle=True)
+    assert (result.source, result.repo_id) == ("google/mt5-small", "google/mt5-small")
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert (card.data.base_model, card.data.license) == ("google/mt5-small", "apache-2.0")
+    assert {"fat5", "mt5"} <= set(card.data.tags)
+    assert "a FAT5 conversion of [google/mt5-small](https://huggingface.co/google/mt5-small)" in card.text
+
+
 def test_flat_code_is_self_contained(bundled):
     """Independent of the bundler's own check: no file imports fat5, every relative import names a bundled sibling."""
     out, _ = bundled
