@@ -163,6 +163,15 @@ class FAT5Config(PretrainedConfig):
     def effective_attention_scale(self) -> float:
         return self.d_kv**-0.5 if self.attention_scale is None else float(self.attention_scale)
 
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        # The package's classes save no code beside the weights, so an `auto_map` kept from the bundle they were
+        # loaded from would name files the saved folder lacks and break `trust_remote_code=True`. This file's copy in
+        # a bundle, run by transformers as remote code, keeps it: transformers then saves the code too.
+        if not type(self).__module__.startswith("transformers_modules."):
+            output.pop("auto_map", None)
+        return output
+
     def _validate(self) -> None:
         from transformers.activations import ACT2FN
 

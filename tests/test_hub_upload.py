@@ -214,6 +214,33 @@ def test_flat_code_passes_check_imports_without_triton(bundled, tmp_path):
     assert "ok FAT5ForConditionalGeneration" in completed.stdout
 
 
+RESAVE_WITHOUT_FAT5 = r"""
+import sys
+sys.modules["fat5"] = None  # `import fat5` fails: only the folder's remote code can run
+import transformers
+
+folder, saved = sys.argv[1:3]
+transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).save_pretrained(saved)
+model = transformers.AutoModelForSeq2SeqLM.from_pretrained(saved, trust_remote_code=True)
+print("ok", type(model).__module__)
+"""
+
+
+def test_a_model_loaded_from_a_bundle_saves_a_folder_that_loads(bundled, tmp_path):
+    """A saved FAT5 folder carries its remote code with its auto_map, or no auto_map (issue 2): the package's classes
+    save no code, so they drop the bundle's auto_map; the bundle's own classes, as remote code, save both."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    out, _ = bundled
+    FAT5ForConditionalGeneration.from_pretrained(out).save_pretrained(tmp_path / "saved")
+    assert "auto_map" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    assert isinstance(reloaded, FAT5ForConditionalGeneration)
+    completed = run_isolated(RESAVE_WITHOUT_FAT5, out, tmp_path / "remote-saved", tmp=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "ok transformers_modules." in completed.stdout
+
+
 def test_sharded_bundle(converted_dir, tmp_path):
     result = bundle(converted_dir, tmp_path / "sharded", max_shard_size="20KB", validate=False)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
