@@ -423,7 +423,7 @@ class FAT5Block(GradientCheckpointingLayer):
         shared_position=None,
         past_key_values=None,
     ):
-        """Returns the hidden states and the position encoding's shared tensor (see ``FAT5Attention.forward``)."""
+        """Returns the hidden states and the shared position parameters (see ``FAT5Attention.forward``)."""
         hidden_states, shared_position = self.layer[0](hidden_states, layout, shared_position, past_key_values)
         hidden_states = _clamp_fp16(hidden_states)
         if self.is_decoder and encoder_hidden_states is not None:
