@@ -136,14 +136,14 @@ class FAT5Trainer(Seq2SeqTrainer):
             # float32, not float64, which MPS lacks; a log needs no more than its 7 digits
             counts = torch.tensor([self._window_slots, self._window_batches], dtype=torch.float32, device=device)
             window = torch.cat([self._window_tokens.detach().float().reshape(1), counts, parts.float()])
-            tokens, slots, steps, ce_sum, z_sum = self.accelerator.reduce(window, reduction="sum").tolist()
+            tokens, slots, batches, ce_sum, z_sum = self.accelerator.reduce(window, reduction="sum").tolist()
             if self._window_loss_parts is not None:
                 if self._window_parts_are_shares:
                     # shares add up over a step's batches, and over the ranks when the count spans them all
                     ranks = 1 if self.args.average_tokens_across_devices else self.accelerator.num_processes
                     divisor = max(self.state.global_step - self._window_first_step, 1) * ranks
                 else:
-                    divisor = steps
+                    divisor = batches
                 logs["ce_loss"], logs["z_loss"] = round(ce_sum / divisor, 6), round(z_sum / divisor, 8)
             elapsed = time.perf_counter() - self._window_start
             logs["tokens_per_second"] = round(tokens / elapsed, 1)
