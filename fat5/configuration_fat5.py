@@ -55,6 +55,9 @@ class FAT5Config(PretrainedConfig):
             backend allows (it never materialises fp32 copies of the logits).
         use_fused_rms_norm (`bool`, defaults to `True`): compute the RMS norms with the fused kernel where the
             backend allows.
+        use_fused_activation (`bool`, defaults to `True`): compute the feed-forward activation (and its gate
+            product) in one fused kernel where the backend allows and the activation is one it knows (tanh or erf
+            GELU, ReLU, SiLU); it rounds once where eager PyTorch rounds after every operation.
         rope_theta (`float`, defaults to 10000.0): RoPE base.
         fire_mlp_width (`int`, defaults to 32): hidden width of FIRE's MLP.
         fire_init_c (`float`, defaults to 0.1): initial value of FIRE's learnable log-transform scale `c`.
@@ -102,6 +105,7 @@ class FAT5Config(PretrainedConfig):
         label_smoothing: float = 0.0,
         use_fused_cross_entropy: bool = True,
         use_fused_rms_norm: bool = True,
+        use_fused_activation: bool = True,
         rope_theta: float = 10000.0,
         fire_mlp_width: int = 32,
         fire_init_c: float = 0.1,
@@ -133,6 +137,7 @@ class FAT5Config(PretrainedConfig):
         self.label_smoothing = label_smoothing
         self.use_fused_cross_entropy = use_fused_cross_entropy
         self.use_fused_rms_norm = use_fused_rms_norm
+        self.use_fused_activation = use_fused_activation
         self.rope_theta = rope_theta
         self.fire_mlp_width = fire_mlp_width
         self.fire_init_c = fire_init_c
@@ -225,6 +230,7 @@ class FAT5Config(PretrainedConfig):
             "position_bias_per_layer",
             "use_fused_cross_entropy",
             "use_fused_rms_norm",
+            "use_fused_activation",
         ):
             if not isinstance(getattr(self, name), bool):  # ValueError, as for every invalid field
                 raise ValueError(f"FAT5Config.{name} must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004

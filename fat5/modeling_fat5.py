@@ -27,6 +27,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_fat5 import FAT5Config
+from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen
 from .kernels.cross_entropy import cross_entropy
 from .kernels.position_bias import alibi_slopes
@@ -120,6 +121,13 @@ class FAT5LayerNorm(nn.Module):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.backend)
 
 
+def _fused_activation_backend(config: FAT5Config) -> str | None:
+    """The backend of the fused activation, or None where transformers' own ACT2FN module serves."""
+    if config.use_fused_activation and config.dense_act_fn in ACTIVATIONS:
+        return config.attention_backend
+    return None
+
+
 class FAT5DenseActDense(nn.Module):
     def __init__(self, config: FAT5Config):
         super().__init__()
@@ -127,9 +135,15 @@ class FAT5DenseActDense(nn.Module):
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[config.dense_act_fn]
+        self.activation_name = config.dense_act_fn
+        self.activation_backend = _fused_activation_backend(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        if self.activation_backend is None:
+            hidden_states = self.act(self.wi(hidden_states))
+        else:
+            hidden_states = gated_activation(self.wi(hidden_states), None, self.activation_name, self.activation_backend)
+        hidden_states = self.dropout(hidden_states)
         return self.wo(hidden_states.to(self.wo.weight.dtype))
 
 
@@ -141,9 +155,16 @@ class FAT5DenseGatedActDense(nn.Module):
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[config.dense_act_fn]
+        self.activation_name = config.dense_act_fn
+        self.activation_backend = _fused_activation_backend(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        if self.activation_backend is None:
+            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        else:
+            hidden_states = gated_activation(
+                self.wi_0(hidden_states), self.wi_1(hidden_states), self.activation_name, self.activation_backend
+            )
         hidden_states = self.dropout(hidden_states)
         return self.wo(hidden_states.to(self.wo.weight.dtype))
 
