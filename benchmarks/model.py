@@ -28,8 +28,18 @@ DEFAULT_BATCHES = {512: 64, 1024: 32, 2048: 16, 4096: 4, 8192: 1, 16384: 1}
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
+IMPLEMENTATIONS = ("fat5", "fat5-compiled", "fat5-cudagraphs", "transformers")
+COMPILED = ("fat5-compiled", "fat5-cudagraphs")
+
+
 def build_models(shape: str, implementations: list[str]):
-    """transformers' T5 and a FAT5 carrying the same weights (the names are T5's on both sides)."""
+    """transformers' T5 and FAT5s carrying the same weights (the names are T5's on both sides).
+
+    ``fat5-compiled`` is FAT5 with every block compiled by ``torch.compile`` (regional compilation: blocks of one
+    kind share their compiled code, so compiling costs a few blocks' worth, not the model's). ``fat5-cudagraphs``
+    compiles the whole model with ``mode="reduce-overhead"``: each training step replays CUDA graphs, so the host's
+    time per kernel launch no longer counts.
+    """
     from transformers import T5Config, T5ForConditionalGeneration
 
     from fat5 import FAT5Config, FAT5ForConditionalGeneration
@@ -38,12 +48,18 @@ def build_models(shape: str, implementations: list[str]):
     hf = T5ForConditionalGeneration(T5Config(**SHAPES[shape], **COMMON))
     hf.lm_head.weight = torch.nn.Parameter(hf.shared.weight.detach().clone())
     models = {}
-    if "fat5" in implementations:
-        fat5 = FAT5ForConditionalGeneration(
-            FAT5Config(**SHAPES[shape], **COMMON, scale_decoder_outputs=False, attention_backend="auto")
-        )
-        fat5.load_state_dict(hf.state_dict(), strict=False)
-        models["fat5"] = fat5
+    for name in ("fat5", *COMPILED):
+        if name in implementations:
+            fat5 = FAT5ForConditionalGeneration(
+                FAT5Config(**SHAPES[shape], **COMMON, scale_decoder_outputs=False, attention_backend="auto")
+            )
+            fat5.load_state_dict(hf.state_dict(), strict=False)
+            if name == "fat5-compiled":
+                for block in (*fat5.encoder.block, *fat5.decoder.block):
+                    block.compile(dynamic=False)
+            if name == "fat5-cudagraphs":
+                fat5.compile(mode="reduce-overhead", dynamic=False, fullgraph=True)
+            models[name] = fat5
     if "transformers" in implementations:
         models["transformers"] = hf
     return {name: model.to("cuda", torch.bfloat16) for name, model in models.items()}
@@ -99,10 +115,13 @@ def train_step_factory(model, input_ids, labels):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step():
+        # a new training step: the CUDA graphs' outputs of the previous one may be overwritten (no-op when eager)
+        torch.compiler.cudagraph_mark_step_begin()
         loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step, optimizer
 
@@ -120,7 +139,9 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
         try:
             input_ids, labels = random_batch(batch, length, decoder_length, config.vocab_size)
             step, optimizer = train_step_factory(model.train(), input_ids, labels)
-            milliseconds = time_ms(step, warmup=2, repeats=5)
+            # the same weights and batch on every implementation: a wrong model shows here before its speed counts
+            first_loss = step().float().item()
+            milliseconds = time_ms(step, warmup=1, repeats=5)
             tokens = batch * (length + decoder_length)
             flops = step_flops(model, config, batch, length, decoder_length)
             row.update(
@@ -128,6 +149,7 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
                 tokens_per_second=round(tokens / milliseconds * 1e3),
                 mfu=round(flops / (milliseconds * 1e-3) / (peak_tflops * 1e12), 4) if peak_tflops else None,
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                first_step_loss=round(first_loss, 4),
             )
             del step, optimizer
         except torch.cuda.OutOfMemoryError:
@@ -167,6 +189,56 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
     return longest
 
 
+def profile_training(name, model, length, batch, path, steps=3):
+    """Where a training step's time goes, appended to the text file ``path``: the host's time to enqueue one step
+    against the device's time to run it (a host-bound step has them equal), the host synchronisations inside a
+    step, and the CUDA kernels and host-side operators of ``steps`` steps by total time."""
+    import time
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    release()
+    input_ids, labels = random_batch(batch, length, max(length // 4, 1), model.config.vocab_size)
+    step, optimizer = train_step_factory(model.train(), input_ids, labels)
+    step()
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    started = time.perf_counter()
+    start.record()
+    step()
+    end.record()
+    enqueued = time.perf_counter()
+    torch.cuda.synchronize()
+    host_ms, device_ms = (enqueued - started) * 1e3, start.elapsed_time(end)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronisations = sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)})
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    averages = profiler.key_averages()
+    with open(path, "a") as handle:
+        handle.write(f"# {name}, encoder length {length}, batch {batch}\n"
+                     f"host enqueue {host_ms:.1f} ms, device {device_ms:.1f} ms per step; "
+                     f"{len(caught)} host synchronisations in a step {synchronisations}\n\n"
+                     f"## CUDA kernels of {steps} steps\n"
+                     f"{averages.table(sort_by='self_cuda_time_total', row_limit=30, max_name_column_width=80)}\n"
+                     f"## host operators of {steps} steps\n"
+                     f"{averages.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=80)}\n\n")
+    model.zero_grad(set_to_none=True)
+    del step, optimizer
+    print(f"profile of {name} at {length} -> {path}", flush=True)
+
+
 @torch.no_grad()
 def measure_generation(models, batches=(1, 32), input_length=512, new_tokens=128):
     rows, outputs = [], {}
@@ -185,7 +257,7 @@ def measure_generation(models, batches=(1, 32), input_length=512, new_tokens=128
             rows.append(dict(implementation=name, batch=batch, input_length=input_length, new_tokens=new_tokens,
                              ms=round(milliseconds, 1), tokens_per_second=round(batch * new_tokens / milliseconds * 1e3)))
             print(rows[-1], flush=True)
-        if len(outputs) == 2:
+        if {"fat5", "transformers"} <= outputs.keys():
             same = (outputs["fat5"] == outputs["transformers"]).float().mean().item()
             rows.append(dict(batch=batch, identical_token_fraction_bf16=round(same, 4)))
     return rows
@@ -216,10 +288,9 @@ def check_agreement(models, vocab_size):
     input_ids, labels = random_batch(2, 256, 64, vocab_size, seed=123)
     with torch.no_grad():
         losses = {name: model.eval()(input_ids=input_ids, labels=labels).loss.float().item() for name, model in models.items()}
-    if len(losses) == 2:
-        relative = abs(losses["fat5"] - losses["transformers"]) / abs(losses["transformers"])
-        if relative > 1e-2:
-            raise SystemExit(f"FAT5 and transformers disagree: losses {losses}")
+    for name, loss in losses.items():
+        if "transformers" in losses and abs(loss - losses["transformers"]) > 1e-2 * abs(losses["transformers"]):
+            raise SystemExit(f"{name} and transformers disagree: losses {losses}")
     return losses
 
 
@@ -230,7 +301,7 @@ def plot(document, path):
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("fat5", "transformers"):
+    for name in IMPLEMENTATIONS:
         rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
         left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=name)
         right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=name)
@@ -248,8 +319,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="base")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--implementations", nargs="+", default=["fat5", "transformers"])
+    parser.add_argument("--implementations", nargs="+", default=["fat5", "transformers"], choices=IMPLEMENTATIONS)
     parser.add_argument("--skip", nargs="*", default=[], choices=["training", "encoder", "generation", "longest"])
+    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="LENGTH",
+                        help="also profile training steps at these encoder lengths (kernel table beside --out)")
     parser.add_argument("--out", default="benchmarks/results/model.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -258,16 +331,23 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name(0)
     peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in gpu), None)
     models = build_models(args.shape, args.implementations)
-    results = {"agreement_losses": check_agreement(models, COMMON["vocab_size"])}
+    # compiled models are checked by their first training step's loss instead (an eval graph would compile too)
+    results = {"agreement_losses": check_agreement({n: m for n, m in models.items() if n not in COMPILED},
+                                                   COMMON["vocab_size"])}
     if "training" not in args.skip:
         results["training"] = [row for name, model in models.items()
                                for row in measure_training(name, model, args.lengths, DEFAULT_BATCHES, peak)]
+    for length in args.profile:
+        for name, model in models.items():
+            profile_training(name, model, length, DEFAULT_BATCHES.get(length, 1), args.out.replace(".json", "_profile.txt"))
+    # compiled blocks are specialised to training shapes: a decoding step of every new length would recompile
+    eager = {name: model for name, model in models.items() if name not in COMPILED}
     if "encoder" not in args.skip:
-        results["encoder"] = measure_encoder(models, args.lengths, DEFAULT_BATCHES)
+        results["encoder"] = measure_encoder(eager, args.lengths, DEFAULT_BATCHES)
     if "generation" not in args.skip:
-        results["generation"] = measure_generation(models)
+        results["generation"] = measure_generation(eager)
     if "longest" not in args.skip:
-        results["longest_batch1"] = [longest_trainable(name, model) for name, model in models.items()]
+        results["longest_batch1"] = [longest_trainable(name, model) for name, model in eager.items()]
     document = write_result(args.out, results, shape=args.shape, peak_bf16_tflops=peak)
     if "training" in results:
         plot(document, args.out.replace(".json", ".png"))
