@@ -61,7 +61,7 @@ def worker(args) -> None:
     rows = args.steps * args.global_batch
     data = copy_task(rows, args.encoder_length, args.decoder_length, shape["vocab_size"], seed=1234)
     training = Seq2SeqTrainingArguments(
-        output_dir=args.run_dir, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-4,
+        output_dir=args.run_dir, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
         warmup_steps=10, lr_scheduler_type="constant_with_warmup", optim="adamw_torch", weight_decay=0.0,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed,
         bf16=not args.tiny, use_cpu=args.tiny, train_sampling_strategy="sequential", dataloader_num_workers=0,
@@ -181,7 +181,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed.json"))
     parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, gloo")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 100; 8 with --tiny)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per GPU b (default 8; 2 with --tiny)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per GPU b (default 16; 2 with --tiny)")
     parser.add_argument("--encoder-length", type=int, default=None)
     parser.add_argument("--decoder-length", type=int, default=None)
     parser.add_argument("--processes", type=int, default=2)
@@ -195,7 +195,7 @@ def main() -> int:
     parser.add_argument("--save-model", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps or (8 if args.tiny else 100)
-    args.batch = args.batch or (2 if args.tiny else 8)
+    args.batch = args.batch or (2 if args.tiny else 16)
     args.encoder_length = args.encoder_length or (64 if args.tiny else 1024)
     args.decoder_length = args.decoder_length or (16 if args.tiny else 256)
     if args.worker:
