@@ -14,6 +14,8 @@ except ImportError as error:  # activation.py falls back to the reference
 
 import torch
 
+from .launch import CachedLauncher
+
 # The activation codes the kernels understand, by the names transformers' ACT2FN gives them.
 ACTIVATION_CODES = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1, "relu": 2, "silu": 3, "swish": 3}
 
@@ -53,6 +55,7 @@ def _activation_and_derivative(x, ACTIVATION: tl.constexpr, NEED_DERIVATIVE: tl.
     return value, derivative
 
 
+@CachedLauncher
 @triton.jit
 def _activation_forward_kernel(
     gate_ptr, linear_ptr, output_ptr, n_elements,
@@ -67,6 +70,7 @@ def _activation_forward_kernel(
     tl.store(output_ptr + offsets, output.to(output_ptr.dtype.element_ty), mask=mask)
 
 
+@CachedLauncher
 @triton.jit
 def _activation_backward_kernel(
     grad_output_ptr, gate_ptr, linear_ptr, grad_gate_ptr, grad_linear_ptr, n_elements,

@@ -27,6 +27,7 @@ try:
         _split_combine_kernel,
         _t5_bias_by_distance_kernel,
         _t5_near_table_gradient_kernel,
+        _t5_table_gradient_kernel,
     )
 except ImportError:  # CPU-only installs: attention.py only calls in here when triton is importable
     triton = None
@@ -345,6 +346,21 @@ def _forward(
     return out, lse
 
 
+def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The (num_buckets, heads) table gradient from the dk/dv and near-tile kernels' sums per relative position,
+    ``distance_grad`` being (..., heads, positions); one launch, a fixed order of additions."""
+    num_heads, num_positions = distance_grad.shape[-2:]
+    table_grad = torch.empty(table.shape, dtype=table.dtype, device=table.device)
+    block = triton.next_power_of_2(num_positions)
+    with _DeviceGuard(table.device):
+        _t5_table_gradient_kernel[(num_heads,)](
+            distance_grad, buckets, table_grad, table_grad.stride(0), table_grad.stride(1),
+            distance_grad.numel() // (num_heads * num_positions), num_heads, num_positions, table.shape[0],
+            ROWS=max(1, min(16, 8192 // block)), BLOCK=block, num_warps=8 if block >= 1024 else 4,
+        )
+    return table_grad
+
+
 def _backward(
     grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets,
@@ -447,9 +463,7 @@ def _backward(
             )
     position_gradient = query.new_empty(0)
     if table_grad:
-        per_distance = distance_grad.sum(dim=(0, 1, 2))  # (heads, distances): a fixed-order reduction, deterministic
-        one_hot = (buckets[:, None].long() == torch.arange(num_buckets, device=device)[None, :]).float()
-        position_gradient = (one_hot[:, :, None] * per_distance.t()[:, None, :]).sum(dim=0).to(position_tensor.dtype)
+        position_gradient = _t5_table_gradient(distance_grad, buckets, position_tensor)
     elif bias_grad:
         if problem.is_varlen:
             dbias = dbias.sum(dim=0)

@@ -29,6 +29,8 @@ try:
 except ImportError as error:  # attention_triton.py catches this: CPU-only installs never launch these kernels
     raise ImportError("fat5's Triton attention kernels need the `triton` package") from error
 
+from .launch import CachedLauncher
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 POSITION_NONE = tl.constexpr(0)
@@ -43,13 +45,16 @@ POSITION_BIAS = tl.constexpr(3)
 VARYING_ARGUMENTS = (
     "seqlen_q", "seqlen_k", "query_offset", "blocks_per_split", "num_splits", "stride_mask_b",
     "stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "first_relative_position", "num_positions",
+    "num_partials",
 )
 
 
 def _jit_for_varying_shapes(kernel):
-    """``triton.jit``, not specialised on the arguments of ``VARYING_ARGUMENTS`` that the kernel takes."""
+    """``triton.jit``, not specialised on the arguments of ``VARYING_ARGUMENTS`` that the kernel takes, behind a
+    ``CachedLauncher`` (``launch.py``): these kernels take 16 to 65 arguments, which Triton's own launch path
+    binds and specialises again at every call."""
     names = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
-    return triton.jit(kernel, do_not_specialize=[name for name in VARYING_ARGUMENTS if name in names])
+    return CachedLauncher(triton.jit(kernel, do_not_specialize=[name for name in VARYING_ARGUMENTS if name in names]))
 
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
@@ -135,6 +140,44 @@ def _t5_bias_by_distance_kernel(
     if WRITE_BIAS:
         value = tl.load(Table + bucket * stride_table_bucket + head * stride_table_head, mask=in_range, other=0.0)
         tl.store(BiasByDistance + head * num_positions + offsets, value.to(tl.float32) * LOG2E, mask=in_range)
+
+
+@_jit_for_varying_shapes
+def _t5_table_gradient_kernel(
+    DistanceGrad,
+    BucketByDistance,
+    TableGrad,
+    stride_table_bucket,
+    stride_table_head,
+    num_partials,
+    num_heads,
+    num_positions,
+    num_buckets,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One head's column of the table gradient from the (partials, heads, positions) sums per relative position:
+    the partials are added in a fixed order, then each bucket takes the sum over its positions (deterministic)."""
+    head = tl.program_id(0)
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    positions = tl.arange(0, BLOCK)
+    in_range = positions < num_positions
+    per_position = tl.zeros((BLOCK,), dtype=tl.float32)
+    for first_row in range(0, num_partials, ROWS):
+        row = first_row + rows
+        tile = tl.load(
+            DistanceGrad + (row[:, None] * num_heads + head) * num_positions + positions[None, :],
+            mask=(row < num_partials)[:, None] & in_range[None, :],
+            other=0.0,
+        )
+        per_position += tl.sum(tile, axis=0)
+    bucket_of_position = tl.load(BucketByDistance + positions, mask=in_range, other=-1)
+    for bucket in range(num_buckets):
+        total = tl.sum(tl.where(bucket_of_position == bucket, per_position, 0.0), axis=0)
+        tl.store(
+            TableGrad + bucket * stride_table_bucket + head * stride_table_head,
+            total.to(TableGrad.dtype.element_ty),
+        )
 
 
 @triton.jit

@@ -19,7 +19,10 @@ except ImportError as error:  # cross_entropy.py falls back to the reference
 
 import torch
 
+from .launch import CachedLauncher
 
+
+@CachedLauncher
 @triton.jit
 def _cross_entropy_forward_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, normaliser_ptr,
@@ -112,6 +115,7 @@ def _cross_entropy_forward_kernel(
                         )
 
 
+@CachedLauncher
 @triton.jit
 def _cross_entropy_rescale_grad_kernel(
     grad_ptr, grad_row_stride, labels_ptr, log_sum_exp_ptr, normaliser_ptr, grad_ce_ptr, grad_z_ptr,

@@ -14,10 +14,13 @@ except ImportError as error:  # rms_norm.py falls back to the reference
 
 import torch
 
+from .launch import CachedLauncher
+
 # One program keeps (rows x padded width) fp32 values in registers; wider rows would spill.
 MAX_WIDTH = 65536
 
 
+@CachedLauncher
 @triton.jit
 def _rms_norm_forward_kernel(
     input_ptr, input_row_stride, weight_ptr, output_ptr, output_row_stride, inverse_rms_ptr,
@@ -46,6 +49,7 @@ def _rms_norm_forward_kernel(
     tl.store(inverse_rms_ptr + rows, inverse_rms, mask=row_mask)
 
 
+@CachedLauncher
 @triton.jit
 def _rms_norm_backward_kernel(
     grad_output_ptr, grad_output_row_stride, input_ptr, input_row_stride, weight_ptr, inverse_rms_ptr,

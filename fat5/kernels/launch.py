@@ -1,0 +1,123 @@
+"""Launching the fused kernels with a fraction of ``kernel[grid](...)``'s host time.
+
+Every ``kernel[grid](*args)`` call makes Triton bind and specialise all arguments, build a string cache key, read
+its settings from the environment and query the current device and stream: about 25 µs for a 9-argument kernel and
+several times that for the 48- to 65-argument attention kernels, measured on an H100 host, where an eager T5 step
+launches some 350 of them and is bound by the host's time at batch 16. ``CachedLauncher`` keeps the compiled kernel
+that Triton returns under a key of its own and then calls the compiled kernel's launcher directly.
+
+The key refines Triton's specialisation: the value of every constexpr and launch option, and for every other
+argument what Triton specialises on: a tensor's dtype and whether its address is 16-byte aligned, an integer's value
+(only its width for the integers the kernel does not specialise on, such as lengths and offsets). Two calls with the same key therefore get the same
+compiled kernel from Triton, and reusing it is exact. Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch
+runs. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached
+path; set ``FAT5_PLAIN_TRITON_LAUNCH=1`` to launch every kernel the plain way.
+"""
+
+import operator
+import os
+
+import torch
+
+_INT32 = range(-(2**31), 2**31)
+_INT64 = range(-(2**63), 2**63)
+
+
+def _plain_launch_only() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FAT5_PLAIN_TRITON_LAUNCH") == "1"
+
+
+def _integer_width(value: int):
+    return 32 if value in _INT32 else 64 if value in _INT64 else "u64"
+
+
+def _getter(indices):
+    """``args -> tuple of args[i] for i in indices`` (itemgetter returns a bare item for a single index)."""
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda args: (args[index],)
+    if not indices:
+        return lambda args: ()
+    return operator.itemgetter(*indices)
+
+
+class _ArgumentLayout:
+    """Where the tensors and integers sit among a kernel's runtime arguments, for one sequence of argument types."""
+
+    def __init__(self, types, unspecialized_names, names):
+        integers = [i for i, kind in enumerate(types) if kind is int]
+        self.tensors = _getter([i for i, kind in enumerate(types) if issubclass(kind, torch.Tensor)])
+        # integers Triton specialises (== 1, multiple of 16) are keyed by value; the others (do_not_specialize) by width
+        self.specialized = _getter([i for i in integers if names[i] not in unspecialized_names])
+        self.unspecialized = _getter([i for i in integers if names[i] in unspecialized_names])
+        for kind in types:
+            if not (kind is int or kind is float or kind is bool or issubclass(kind, torch.Tensor)):
+                raise TypeError(f"CachedLauncher cannot key an argument of type {kind.__name__}")
+
+    def key(self, args):
+        tensors = self.tensors(args)
+        addresses = 0
+        for tensor in tensors:
+            addresses |= tensor.data_ptr()
+        alignment = True if addresses % 16 == 0 else tuple(tensor.data_ptr() % 16 == 0 for tensor in tensors)
+        return (
+            tuple([tensor.dtype for tensor in tensors]), alignment, self.specialized(args),
+            tuple(map(_integer_width, self.unspecialized(args))),
+        )
+
+
+class CachedLauncher:
+    """``launcher[grid](*args, **kwargs)`` launches ``kernel`` as ``kernel[grid](*args, **kwargs)`` does; the
+    kernel's constexpr parameters must come after all the others (as in all of FAT5's kernels)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = {}
+        self.layouts = {}
+        self.runtime_names = None  # read from the JITFunction at the first compiled-path launch
+
+    def _read_signature(self):
+        params = self.kernel.params
+        name = self.kernel.fn.__name__
+        runtime_names = [p.name for p in params if not p.is_constexpr]
+        self.constexpr_names = [p.name for p in params if p.is_constexpr]
+        if [p.name for p in params] != runtime_names + self.constexpr_names:
+            raise TypeError(f"{name}: CachedLauncher needs the constexpr parameters last")
+        unspecialized = getattr(self.kernel, "do_not_specialize", ())
+        self.unspecialized_names = {params[i].name if isinstance(i, int) else i for i in unspecialized}
+        self.runtime_names = runtime_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        if _plain_launch_only():
+            return self.kernel[grid](*args, **kwargs)
+        if self.runtime_names is None:
+            self._read_signature()
+        if len(args) < len(self.runtime_names):  # runtime arguments given by name
+            kwargs = dict(kwargs)
+            missing = self.runtime_names[len(args):]
+            if not set(missing) <= set(kwargs):
+                raise TypeError(f"{self.kernel.fn.__name__}: runtime arguments {sorted(set(missing) - set(kwargs))} "
+                                "not given")
+            args = (*args, *[kwargs.pop(name) for name in missing])
+        types = tuple(map(type, args))
+        layout = self.layouts.get(types)
+        if layout is None:
+            if len(args) != len(self.runtime_names):
+                raise TypeError(f"{self.kernel.fn.__name__} takes {len(self.runtime_names)} runtime arguments, "
+                                f"got {len(args)}")
+            layout = self.layouts[types] = _ArgumentLayout(types, self.unspecialized_names, self.runtime_names)
+        device = torch.cuda.current_device()
+        key = (device, tuple(kwargs.items()), types, *layout.key(args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            # Triton compiles (or finds) the kernel and launches it; later calls with this key reuse what it returned
+            self.compiled[key] = self.kernel[grid](*args, **kwargs)
+            return
+        grid = (*grid, 1, 1)
+        compiled.run(
+            grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+            compiled.packed_metadata, None, None, None, *args, *[kwargs[name] for name in self.constexpr_names],
+        )

@@ -1,0 +1,72 @@
+"""CachedLauncher: a reused compiled kernel must be the one Triton itself would pick for the arguments."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fat5.kernels.launch import CachedLauncher, _ArgumentLayout
+
+
+@CachedLauncher
+@triton.jit
+def _strided_axpy_kernel(x_ptr, y_ptr, out_ptr, n, x_stride, alpha, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets * x_stride, mask=mask, other=0.0)
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, alpha * x + y, mask=mask)
+
+
+def _axpy(x, y, alpha, block=64):
+    """alpha * x[::stride] + y through the launcher; ``x`` may be a strided or offset view."""
+    out = torch.empty_like(y)
+    _strided_axpy_kernel[(triton.cdiv(y.numel(), block),)](x, y, out, y.numel(), x.stride(0), alpha, BLOCK=block)
+    return out
+
+
+def _key(layout, *args):
+    return layout.key(args)
+
+
+def test_key_tells_apart_what_triton_specialises_on():
+    names = ["x_ptr", "n", "seqlen"]
+    tensor = torch.zeros(64, dtype=torch.float16)
+    layout = _ArgumentLayout((torch.Tensor, int, int), {"seqlen"}, names)
+    base = _key(layout, tensor, 32, 100)
+    # an address off the 16-byte grid, another dtype, an integer of another value: another compiled kernel
+    assert _key(layout, tensor[1:], 32, 100) != base
+    assert _key(layout, tensor.float(), 32, 100) != base
+    assert _key(layout, tensor, 1, 100) != base
+    assert _key(layout, tensor, 33, 100) != base
+    # unspecialised integers count only by width
+    assert _key(layout, tensor, 32, 7) == base
+    assert _key(layout, tensor, 32, 2**31) != base
+    assert _key(layout, tensor, 32, 2**63) != _key(layout, tensor, 32, 2**31)
+
+
+def test_key_refuses_arguments_it_cannot_describe():
+    with pytest.raises(TypeError, match="cannot key an argument of type str"):
+        _ArgumentLayout((torch.Tensor, str), set(), ["x_ptr", "name"])
+
+
+def test_interpreter_launches_the_plain_way():
+    """Under TRITON_INTERPRET=1 (the CPU suite) nothing is cached and the kernel computes the right thing."""
+    x, y = torch.randn(300), torch.randn(100)
+    torch.testing.assert_close(_axpy(x[::3], y, 0.5), 0.5 * x[::3] + y)
+    assert _strided_axpy_kernel.compiled == {}
+
+
+@pytest.mark.gpu
+def test_cached_launches_match_torch_for_every_specialisation():
+    """Cached launches after a first one with other strides, alignments, sizes and dtypes stay exact."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(1000, device="cuda", dtype=dtype)
+        y = torch.randn(257, device="cuda", dtype=dtype)
+        cases = [(x[:257], y), (x[::3][:257], y), (x[1:258], y), (x[:1], y[:1]), (x[:256], y[1:])]
+        for _ in range(2):  # the second pass runs every case from the cache
+            for x_view, y_view in cases:
+                torch.testing.assert_close(_axpy(x_view, y_view, 2.0), 2.0 * x_view + y_view)
+    # each (dtype, case) differs in one thing Triton specialises on, so each has its own compiled kernel
+    assert len(_strided_axpy_kernel.compiled) == 2 * len(cases)
