@@ -347,16 +347,16 @@ def _forward(
 
 
 def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The (num_buckets, heads) table gradient from the dk/dv and near-tile kernels' sums per relative position,
-    ``distance_grad`` being (..., heads, positions); one launch, a fixed order of additions."""
+    """The (num_buckets, heads) table gradient from the dk/dv and near-tile kernels' partial sums per relative
+    position, ``distance_grad`` being (..., heads, positions): one reduction over the partials (the whole GPU, a
+    fixed order), then one program per head sums each bucket's positions."""
     num_heads, num_positions = distance_grad.shape[-2:]
+    grad_by_distance = distance_grad.view(-1, num_heads, num_positions).sum(dim=0)
     table_grad = torch.empty(table.shape, dtype=table.dtype, device=table.device)
-    block = triton.next_power_of_2(num_positions)
     with _DeviceGuard(table.device):
         _t5_table_gradient_kernel[(num_heads,)](
-            distance_grad, buckets, table_grad, table_grad.stride(0), table_grad.stride(1),
-            distance_grad.numel() // (num_heads * num_positions), num_heads, num_positions, table.shape[0],
-            ROWS=max(1, min(16, 8192 // block)), BLOCK=block, num_warps=8 if block >= 1024 else 4,
+            grad_by_distance, buckets, table_grad, table_grad.stride(0), table_grad.stride(1),
+            num_positions, table.shape[0], BLOCK=triton.next_power_of_2(num_positions),
         )
     return table_grad
 

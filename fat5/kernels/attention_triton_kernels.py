@@ -45,7 +45,6 @@ POSITION_BIAS = tl.constexpr(3)
 VARYING_ARGUMENTS = (
     "seqlen_q", "seqlen_k", "query_offset", "blocks_per_split", "num_splits", "stride_mask_b",
     "stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "first_relative_position", "num_positions",
-    "num_partials",
 )
 
 
@@ -144,36 +143,24 @@ def _t5_bias_by_distance_kernel(
 
 @_jit_for_varying_shapes
 def _t5_table_gradient_kernel(
-    DistanceGrad,
+    GradByDistance,
     BucketByDistance,
     TableGrad,
     stride_table_bucket,
     stride_table_head,
-    num_partials,
-    num_heads,
     num_positions,
     num_buckets,
-    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One head's column of the table gradient from the (partials, heads, positions) sums per relative position:
-    the partials are added in a fixed order, then each bucket takes the sum over its positions (deterministic)."""
+    """One head's column of the table gradient: each bucket takes the sum of the (heads, positions) gradient over
+    the relative positions that fall in it, in a fixed order (deterministic)."""
     head = tl.program_id(0)
-    rows = tl.arange(0, ROWS).to(tl.int64)
     positions = tl.arange(0, BLOCK)
     in_range = positions < num_positions
-    per_position = tl.zeros((BLOCK,), dtype=tl.float32)
-    for first_row in range(0, num_partials, ROWS):
-        row = first_row + rows
-        tile = tl.load(
-            DistanceGrad + (row[:, None] * num_heads + head) * num_positions + positions[None, :],
-            mask=(row < num_partials)[:, None] & in_range[None, :],
-            other=0.0,
-        )
-        per_position += tl.sum(tile, axis=0)
+    grad = tl.load(GradByDistance + head * num_positions + positions, mask=in_range, other=0.0)
     bucket_of_position = tl.load(BucketByDistance + positions, mask=in_range, other=-1)
     for bucket in range(num_buckets):
-        total = tl.sum(tl.where(bucket_of_position == bucket, per_position, 0.0), axis=0)
+        total = tl.sum(tl.where(bucket_of_position == bucket, grad, 0.0), axis=0)
         tl.store(
             TableGrad + bucket * stride_table_bucket + head * stride_table_head,
             total.to(TableGrad.dtype.element_ty),
