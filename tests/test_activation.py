@@ -124,10 +124,10 @@ def test_custom_ops_pass_opcheck():
 
     gate = torch.randn(5, 16, requires_grad=True)
     linear = torch.randn(5, 16, requires_grad=True)
-    torch.library.opcheck(module._gated_activation_forward, (gate, linear, "gelu_new"))
-    torch.library.opcheck(module._gated_activation_backward, (torch.randn(5, 16), gate.detach(), linear.detach(), "gelu_new"))
-    torch.library.opcheck(module._activation_forward, (gate, "relu"))
-    torch.library.opcheck(module._activation_backward, (torch.randn(5, 16), gate.detach(), "relu"))
+    torch.library.opcheck(module._activation_forward, (gate, linear, "gelu_new"))
+    torch.library.opcheck(module._activation_backward, (torch.randn(5, 16), gate.detach(), linear.detach(), "gelu_new"))
+    torch.library.opcheck(module._activation_forward, (gate, None, "relu"))
+    torch.library.opcheck(module._activation_backward, (torch.randn(5, 16), gate.detach(), None, "relu"))
 
 
 @pytest.mark.parametrize("feed_forward_proj", ["gated-gelu", "relu", "gated-silu"])

@@ -66,87 +66,62 @@ def _check_inputs(gate, linear, activation) -> None:
             )
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::gated_activation_forward", mutates_args=())
-def _gated_activation_forward(gate: torch.Tensor, linear: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, linear = gate.contiguous(), linear.contiguous()
+def _forward(gate: torch.Tensor, linear: torch.Tensor | None, activation: str) -> torch.Tensor:
+    gate = gate.contiguous()
     output = torch.empty_like(gate)
-    _triton_forward(gate, linear, output, activation)
+    _triton_forward(gate, None if linear is None else linear.contiguous(), output, activation)
     return output
 
 
-@_gated_activation_forward.register_fake
-def _(gate, linear, activation):
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op(f"{_NAMESPACE}::gated_activation_backward", mutates_args=())
-def _gated_activation_backward(
-    grad_output: torch.Tensor, gate: torch.Tensor, linear: torch.Tensor, activation: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_output, gate, linear = grad_output.contiguous(), gate.contiguous(), linear.contiguous()
-    grad_gate, grad_linear = torch.empty_like(gate), torch.empty_like(linear)
+def _backward(
+    grad_output: torch.Tensor, gate: torch.Tensor, linear: torch.Tensor | None, activation: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    grad_output, gate = grad_output.contiguous(), gate.contiguous()
+    linear = None if linear is None else linear.contiguous()
+    grad_gate = torch.empty_like(gate)
+    grad_linear = None if linear is None else torch.empty_like(linear)
     _triton_backward(grad_output, gate, linear, grad_gate, grad_linear, activation)
     return grad_gate, grad_linear
 
 
-@_gated_activation_backward.register_fake
-def _(grad_output, gate, linear, activation):
-    return torch.empty_like(gate), torch.empty_like(linear)
-
-
-def _setup_gated_context(ctx, inputs, output):
-    gate, linear, activation = inputs
-    ctx.activation = activation
-    ctx.save_for_backward(gate, linear)
-
-
-def _gated_backward(ctx, grad_output):
-    gate, linear = ctx.saved_tensors
-    grad_gate, grad_linear = _gated_activation_backward(grad_output, gate, linear, ctx.activation)
-    return grad_gate, grad_linear, None
-
-
-_gated_activation_forward.register_autograd(_gated_backward, setup_context=_setup_gated_context)
-
-
 @torch.library.custom_op(f"{_NAMESPACE}::activation_forward", mutates_args=())
-def _activation_forward(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    gate = gate.contiguous()
-    output = torch.empty_like(gate)
-    _triton_forward(gate, None, output, activation)
-    return output
+def _activation_forward(gate: torch.Tensor, linear: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return _forward(gate, linear, activation)
 
 
 @_activation_forward.register_fake
-def _(gate, activation):
+def _(gate, linear, activation):
     return torch.empty_like(gate)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::activation_backward", mutates_args=())
-def _activation_backward(grad_output: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
-    grad_output, gate = grad_output.contiguous(), gate.contiguous()
-    grad_gate = torch.empty_like(gate)
-    _triton_backward(grad_output, gate, None, grad_gate, None, activation)
-    return grad_gate
+def _activation_backward(
+    grad_output: torch.Tensor, gate: torch.Tensor, linear: torch.Tensor | None, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate's gradient and the linear input's (an empty tensor when ungated: an op returns tensors only)."""
+    grad_gate, grad_linear = _backward(grad_output, gate, linear, activation)
+    return grad_gate, gate.new_empty(0) if grad_linear is None else grad_linear
 
 
 @_activation_backward.register_fake
-def _(grad_output, gate, activation):
-    return torch.empty_like(gate)
+def _(grad_output, gate, linear, activation):
+    return torch.empty_like(gate), gate.new_empty(0) if linear is None else torch.empty_like(linear)
 
 
 def _setup_context(ctx, inputs, output):
-    gate, activation = inputs
+    gate, linear, activation = inputs
     ctx.activation = activation
-    ctx.save_for_backward(gate)
+    ctx.gated = linear is not None
+    ctx.save_for_backward(gate, linear)
 
 
-def _backward(ctx, grad_output):
-    (gate,) = ctx.saved_tensors
-    return _activation_backward(grad_output, gate, ctx.activation), None
+def _op_backward(ctx, grad_output):
+    gate, linear = ctx.saved_tensors
+    grad_gate, grad_linear = _activation_backward(grad_output, gate, linear, ctx.activation)
+    return grad_gate, grad_linear if ctx.gated else None, None
 
 
-_activation_forward.register_autograd(_backward, setup_context=_setup_context)
+_activation_forward.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _ActivationFunction(torch.autograd.Function):
@@ -155,22 +130,14 @@ class _ActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, linear, activation):
-        gate = gate.contiguous()
-        linear = None if linear is None else linear.contiguous()
-        output = torch.empty_like(gate)
-        _triton_forward(gate, linear, output, activation)
         ctx.activation = activation
         ctx.save_for_backward(gate, linear)
-        return output
+        return _forward(gate, linear, activation)
 
     @staticmethod
     def backward(ctx, grad_output):
         gate, linear = ctx.saved_tensors
-        grad_output = grad_output.contiguous()
-        grad_gate = torch.empty_like(gate)
-        grad_linear = None if linear is None else torch.empty_like(linear)
-        _triton_backward(grad_output, gate, linear, grad_gate, grad_linear, ctx.activation)
-        return grad_gate, grad_linear, None
+        return (*_backward(grad_output, gate, linear, ctx.activation), None)
 
 
 def gated_activation(
@@ -196,7 +163,5 @@ def gated_activation(
     if gate.dtype not in _TRITON_DTYPES:
         raise TypeError(f"gated_activation's Triton path takes fp32/fp16/bf16, got {gate.dtype}; use backend='reference'")
     if torch.compiler.is_compiling():
-        if linear is None:
-            return _activation_forward(gate, activation)
-        return _gated_activation_forward(gate, linear, activation)
+        return _activation_forward(gate, linear, activation)
     return _ActivationFunction.apply(gate, linear, activation)
