@@ -51,9 +51,9 @@ TABLES = [  # (name, position encoding, head_dim, peers)
     ("t5_d128", "t5", 128, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
     ("alibi_d64", "alibi", 64, ("sdpa_flash_no_bias", "fat5", "flex")),
 ]
-SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages), "near" takes the dkdv tiles
-    "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3),
-                (128, 64, 4, 3), (64, 32, 4, 3)],
+SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers]), "near" takes the dkdv tiles
+    "forward": [(64, 64, 4, 3, 128), (64, 64, 4, 3), (64, 64, 4, 2, 128), (128, 64, 8, 3), (128, 128, 8, 2),
+                (64, 128, 4, 3, 128), (128, 64, 4, 3, 128), (64, 32, 4, 3, 128)],
     "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
              (64, 64, 8, 3), (128, 128, 8, 2)],
     "near": [(0, 0, 4, 3), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 8, 2)],

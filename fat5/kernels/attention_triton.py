@@ -41,20 +41,24 @@ _MAX_T5_DISTANCE = 2048  # the backward keeps one fp32 accumulator slot per rela
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch parameters of one kernel. ``block_m`` tiles queries, ``block_n`` keys."""
+    """Tile sizes and launch parameters of one kernel. ``block_m`` tiles queries, ``block_n`` keys;
+    ``max_registers`` caps the registers per thread (Triton's ``maxnreg``) so that more programs share an SM."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None
 
 
 # Per architecture and padded head dim. Hopper entries were chosen by the sweep in benchmarks/attention.py
 # (--sweep) on an H100; the Ampere ones follow the shapes FlashAttention-2 uses there and are untested.
 _CONFIGS = {
     "sm90": {
-        "forward": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
-                    128: LaunchConfig(64, 64, 4, 2), 256: LaunchConfig(64, 32, 4, 2)},
+        # 128 registers: four programs per SM instead of two; the near tiles' gather spills a few (8) registers
+        "forward": {16: LaunchConfig(64, 64, 4, 3, 128), 32: LaunchConfig(64, 64, 4, 3, 128),
+                    64: LaunchConfig(64, 64, 4, 3, 128), 128: LaunchConfig(64, 64, 4, 2),
+                    256: LaunchConfig(64, 32, 4, 2)},
         "decode": {16: LaunchConfig(16, 64, 4, 4), 32: LaunchConfig(16, 64, 4, 4), 64: LaunchConfig(16, 64, 4, 4),
                    128: LaunchConfig(16, 64, 4, 4), 256: LaunchConfig(16, 32, 4, 3)},
         "dkdv": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
@@ -127,7 +131,10 @@ def _multiprocessor_count(device_index) -> int:
 
 
 def _launch_kwargs(config: LaunchConfig, device: torch.device) -> dict:
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    kwargs = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.max_registers is not None:
+        kwargs["maxnreg"] = config.max_registers
+    return kwargs
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -403,6 +410,8 @@ def _backward(
             "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
             "INPUT_PRECISION": _input_precision(query.dtype),
         }
+        # full query blocks only (dense inputs): the dk/dv and near-tile kernels load rows without masks
+        even_m = not problem.is_varlen and problem.seqlen_q % dkdv_config.block_m == 0
         padding_pointer = dummy if padding is None else padding
         bias_pointer = dummy if bias is None else bias
         cu_pointers = (
@@ -428,7 +437,7 @@ def _backward(
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
             *shape_arguments, scale,
             BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position_encoding],
-            TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
+            EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
             **common, **_launch_kwargs(dkdv_config, device),
         )
         if table_grad:
@@ -444,7 +453,7 @@ def _backward(
                 0 if padding is None else padding.stride(0), bias.stride(0),
                 *shape_arguments,
                 BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,  # the dk/dv kernel's tiles: same far tiles
-                DIAGONAL_CHUNK=_DIAGONAL_CHUNK if device.type == "cuda" else 8,  # several chunks in the CPU tests
+                EVEN_M=even_m, DIAGONAL_CHUNK=_DIAGONAL_CHUNK if device.type == "cuda" else 8,  # several chunks on CPU
                 **common, **_launch_kwargs(near_config, device),
             )
         if fused_dq:

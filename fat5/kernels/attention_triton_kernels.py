@@ -58,6 +58,11 @@ def _jit_for_varying_shapes(kernel):
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
+# The forward's loops over near T5 tiles are not software-pipelined: the pipeliner would stage the gathered bias
+# tile through shared memory with the keys and values and keep its pointers live across stages, and the registers
+# this takes (248 instead of 128 per thread, H100) halve the programs per SM for the far tiles as well. The backward
+# kernels hold more (dk, dv, the fused dq) and gain from pipelining their near tiles all the same.
+GATHER_LOOP_STAGES = tl.constexpr(1)
 
 
 @triton.jit
@@ -247,7 +252,11 @@ def _forward_inner(
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for block in range(block_start, block_end):
+    if POSITION == POSITION_T5 and BIAS_MODE == BIAS_PER_SCORE:
+        loop_stages: tl.constexpr = GATHER_LOOP_STAGES
+    else:
+        loop_stages: tl.constexpr = None
+    for block in tl.range(block_start, block_end, num_stages=loop_stages):
         keys = block * BLOCK_N + offs_n
         if APPLY_MASK:
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
@@ -576,17 +585,22 @@ def _backward_tile_ds(
     APPLY_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    EVEN_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """For query block ``block`` against this program's keys: (q, do, p^T, ds^T), the (keys, queries) tiles of the
-    probabilities and of the score gradient."""
+    probabilities and of the score gradient. ``EVEN_M``: every query block is full, the row loads need no mask."""
     offs_d = tl.arange(0, HEAD_DIM)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     query_positions = rows + query_offset
     in_rows = rows < seqlen_q
-    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    # rows past the end get lse = +inf: their probabilities are 0 without a score mask
-    lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
+    if EVEN_M:
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :])
+        lse = tl.load(lse_base + rows)
+    else:
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+        # rows past the end get lse = +inf: their probabilities are 0 without a score mask
+        lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
     scores_t = _score_bias(
         scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
@@ -600,8 +614,12 @@ def _backward_tile_ds(
     p_t = tl.math.exp2(scores_t - lse[None, :])
     if HAS_PADDING:
         p_t = tl.where(key_keep[:, None], p_t, 0.0)
-    do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
+    if EVEN_M:
+        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :])
+        delta = tl.load(delta_base + rows)
+    else:
+        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=in_rows[:, None], other=0.0)
+        delta = tl.load(delta_base + rows, mask=in_rows, other=0.0)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     return q, do, p_t, ds_t
@@ -622,6 +640,7 @@ def _backward_dkdv_inner(
     APPLY_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    EVEN_M: tl.constexpr,
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
@@ -632,15 +651,19 @@ def _backward_dkdv_inner(
         q, do, p_t, ds_t = _backward_tile_ds(
             k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
             bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
-            BLOCK_M, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, INPUT_PRECISION,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
+            INPUT_PRECISION,
         )
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         if FUSED_DQ:  # dq of this tile, added in fp32 (atomics: the order of the additions varies run to run)
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION)
-            tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq * scale,
-                          mask=rows[:, None] < seqlen_q, sem="relaxed")
+            if EVEN_M:
+                tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq * scale, sem="relaxed")
+            else:
+                tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq * scale,
+                              mask=rows[:, None] < seqlen_q, sem="relaxed")
         if TABLE_GRAD:  # a far tile: one bucket, its share of the table gradient is the tile sum
             far_sum += tl.sum(tl.sum(ds_t, axis=1), axis=0)
         if BIAS_GRAD:
@@ -709,6 +732,7 @@ def _attention_backward_dkdv_kernel(
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    EVEN_M: tl.constexpr,
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
@@ -755,7 +779,7 @@ def _attention_backward_dkdv_kernel(
         dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
         bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
         seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, block_lo, masked_end,
-        BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M,
         False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
     )
     if POSITION == POSITION_T5:
@@ -765,7 +789,7 @@ def _attention_backward_dkdv_kernel(
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
                 tl.load(bias_base + 2 * MAX_DISTANCE + 2), clean_start, far_right_end,
-                BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+                BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
                 TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
             )
             dk, dv, unused_sum = _backward_dkdv_inner(
@@ -773,14 +797,14 @@ def _attention_backward_dkdv_kernel(
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end,
                 far_left_start, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
-                HAS_PADDING, False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+                HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
             )
         dk, dv, far_left_sum = _backward_dkdv_inner(
             dk, dv, far_left_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base),
             far_left_start, num_m_blocks,
-            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
             TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
         )
     else:
@@ -788,7 +812,7 @@ def _attention_backward_dkdv_kernel(
             dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, clean_start,
-            num_m_blocks, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            num_m_blocks, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
             False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
         )
     offs_d = tl.arange(0, HEAD_DIM)
@@ -817,6 +841,7 @@ def _near_table_gradient_inner(
     APPLY_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    EVEN_M: tl.constexpr,
     DIAGONAL_CHUNK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -825,7 +850,7 @@ def _near_table_gradient_inner(
         _, _, _, ds_t = _backward_tile_ds(
             k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
             bias_base, 0, 0, seqlen_q, seqlen_k, query_offset, qk_scale, 0.0, block,
-            BLOCK_M, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING,
+            BLOCK_M, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
             INPUT_PRECISION,
         )
         # ds_t[jl, il] has rel = base + jl - il: diagonal t = jl - il + BLOCK_M - 1 holds rel = base + t - (BM - 1).
@@ -869,6 +894,7 @@ def _t5_near_table_gradient_kernel(
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    EVEN_M: tl.constexpr,
     DIAGONAL_CHUNK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -907,14 +933,14 @@ def _t5_near_table_gradient_kernel(
     left_sum, right_sum = _near_table_gradient_inner(
         left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
         bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
-        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
+        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
     )
     if not CAUSAL:
         left_sum, right_sum = _near_table_gradient_inner(
             left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
             bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
             far_left_start,
-            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, DIAGONAL_CHUNK, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
         )
     tl.store(distance_row, left_sum)
     tl.store(distance_row + 2 * MAX_DISTANCE + 2, right_sum)
