@@ -45,6 +45,18 @@ def test_key_tells_apart_what_triton_specialises_on():
     assert _key(layout, tensor, 32, 2**63) != _key(layout, tensor, 32, 2**31)
 
 
+def test_specialisation_groups_integers_as_triton_does():
+    """Triton compiles an integer argument for its width, == 1 and divisibility by 16 (hand-listed classes)."""
+    layout = _ArgumentLayout((int, int), {"seqlen"}, ["n", "seqlen"])
+    classes = [[0, 16, 48, 4096, -32], [1], [2, 3, 17, 4095, -1], [2**31, 2**40], [2**31 + 1], [2**63]]
+    keys = [{layout.specialisation((value, 5)) for value in group} for group in classes]
+    assert all(len(group_keys) == 1 for group_keys in keys)
+    assert len(set.union(*keys)) == len(classes)
+    # the fast key still tells values apart; an unspecialised integer counts by width in both keys
+    assert layout.key((16, 5)) != layout.key((48, 5))
+    assert layout.specialisation((16, 5)) == layout.specialisation((16, 900))
+
+
 def test_key_refuses_arguments_it_cannot_describe():
     with pytest.raises(TypeError, match="cannot key an argument of type str"):
         _ArgumentLayout((torch.Tensor, str), set(), ["x_ptr", "name"])
@@ -54,7 +66,7 @@ def test_interpreter_launches_the_plain_way():
     """Under TRITON_INTERPRET=1 (the CPU suite) nothing is cached and the kernel computes the right thing."""
     x, y = torch.randn(300), torch.randn(100)
     torch.testing.assert_close(_axpy(x[::3], y, 0.5), 0.5 * x[::3] + y)
-    assert _strided_axpy_kernel.compiled == {}
+    assert _strided_axpy_kernel.compiled == {} and _strided_axpy_kernel.specialisations == {}
 
 
 @pytest.mark.gpu
@@ -63,10 +75,14 @@ def test_cached_launches_match_torch_for_every_specialisation():
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(1000, device="cuda", dtype=dtype)
-        y = torch.randn(257, device="cuda", dtype=dtype)
-        cases = [(x[:257], y), (x[::3][:257], y), (x[1:258], y), (x[:1], y[:1]), (x[:256], y[1:])]
+        y = torch.randn(300, device="cuda", dtype=dtype)
+        cases = [(x[:257], y[:257]), (x[::3][:257], y[:257]), (x[1:258], y[:257]), (x[:1], y[:1]),
+                 (x[:256], y[1:257])]
+        same_specialisation = [(x[:273], y[:273]), (x[::5][:100], y[:100])]  # as the first two cases
         for _ in range(2):  # the second pass runs every case from the cache
-            for x_view, y_view in cases:
+            for x_view, y_view in cases + same_specialisation:
                 torch.testing.assert_close(_axpy(x_view, y_view, 2.0), 2.0 * x_view + y_view)
-    # each (dtype, case) differs in one thing Triton specialises on, so each has its own compiled kernel
-    assert len(_strided_axpy_kernel.compiled) == 2 * len(cases)
+    # each (dtype, case) differs in one thing Triton specialises on, so each has its own compiled kernel; the other
+    # sizes and strides of the same classes reuse them
+    assert len(_strided_axpy_kernel.specialisations) == 2 * len(cases)
+    assert len(_strided_axpy_kernel.compiled) == 2 * len(cases + same_specialisation)

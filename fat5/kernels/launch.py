@@ -6,11 +6,13 @@ several times that for the 48- to 65-argument attention kernels, measured on an 
 launches some 350 of them and is bound by the host's time at batch 16. ``CachedLauncher`` keeps the compiled kernel
 that Triton returns under a key of its own and then calls the compiled kernel's launcher directly.
 
-The key refines Triton's specialisation: the value of every constexpr and launch option, and for every other
-argument what Triton specialises on: a tensor's dtype and whether its address is 16-byte aligned, an integer's value
-(only its width for the integers the kernel does not specialise on, such as lengths and offsets). Two calls with the same key therefore get the same
-compiled kernel from Triton, and reusing it is exact. Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch
-runs. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached
+Two keys lead to a compiled kernel. The specialisation key is Triton's own: the value of every constexpr and launch
+option, and for every other argument what Triton specialises on: a tensor's dtype and whether its address is 16-byte
+aligned, an integer's width, whether it is 1 and whether it is a multiple of 16 (only the width for the integers the
+kernel does not specialise on). Two calls with the same specialisation key get the same compiled kernel from Triton,
+so reusing it is exact. The fast key, looked up first, holds the integers' values instead (one C-level tuple, no
+Python loop over them); a miss maps the call to its specialisation, so a new length does not launch the slow way.
+Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch runs. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached
 path; set ``FAT5_PLAIN_TRITON_LAUNCH=1`` to launch every kernel the plain way.
 """
 
@@ -19,6 +21,7 @@ import os
 
 import torch
 
+_MAX_FAST_KEYS = 4096
 _INT32 = range(-(2**31), 2**31)
 _INT64 = range(-(2**63), 2**63)
 
@@ -29,6 +32,11 @@ def _plain_launch_only() -> bool:
 
 def _integer_width(value: int):
     return 32 if value in _INT32 else 64 if value in _INT64 else "u64"
+
+
+def _integer_specialisation(value: int):
+    """What Triton compiles an integer argument for: its width, and whether it is 1 (a constant) or divisible by 16."""
+    return _integer_width(value), value == 1, value % 16 == 0
 
 
 def _getter(indices):
@@ -47,7 +55,8 @@ class _ArgumentLayout:
     def __init__(self, types, unspecialized_names, names):
         integers = [i for i, kind in enumerate(types) if kind is int]
         self.tensors = _getter([i for i, kind in enumerate(types) if issubclass(kind, torch.Tensor)])
-        # integers Triton specialises (== 1, multiple of 16) are keyed by value; the others (do_not_specialize) by width
+        # integers Triton specialises (== 1, multiple of 16) count by value in the fast key, by class in the
+        # specialisation key; the others (do_not_specialize) by width in both
         self.specialized = _getter([i for i in integers if names[i] not in unspecialized_names])
         self.unspecialized = _getter([i for i in integers if names[i] in unspecialized_names])
         for kind in types:
@@ -55,15 +64,23 @@ class _ArgumentLayout:
                 raise TypeError(f"CachedLauncher cannot key an argument of type {kind.__name__}")
 
     def key(self, args):
+        """The fast key: specialised integers by value."""
+        return (*self._tensor_key(args), self.specialized(args), tuple(map(_integer_width, self.unspecialized(args))))
+
+    def specialisation(self, args):
+        """Triton's specialisation of the arguments."""
+        return (
+            *self._tensor_key(args), tuple(map(_integer_specialisation, self.specialized(args))),
+            tuple(map(_integer_width, self.unspecialized(args))),
+        )
+
+    def _tensor_key(self, args):
         tensors = self.tensors(args)
         addresses = 0
         for tensor in tensors:
             addresses |= tensor.data_ptr()
         alignment = True if addresses % 16 == 0 else tuple(tensor.data_ptr() % 16 == 0 for tensor in tensors)
-        return (
-            tuple([tensor.dtype for tensor in tensors]), alignment, self.specialized(args),
-            tuple(map(_integer_width, self.unspecialized(args))),
-        )
+        return tuple([tensor.dtype for tensor in tensors]), alignment
 
 
 class CachedLauncher:
@@ -72,7 +89,8 @@ class CachedLauncher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled = {}
+        self.compiled = {}  # fast key -> compiled kernel
+        self.specialisations = {}  # specialisation key -> compiled kernel
         self.layouts = {}
         self.runtime_names = None  # read from the JITFunction at the first compiled-path launch
 
@@ -110,12 +128,19 @@ class CachedLauncher:
                                 f"got {len(args)}")
             layout = self.layouts[types] = _ArgumentLayout(types, self.unspecialized_names, self.runtime_names)
         device = torch.cuda.current_device()
-        key = (device, tuple(kwargs.items()), types, *layout.key(args))
+        options = (device, tuple(kwargs.items()), types)
+        key = (*options, *layout.key(args))
         compiled = self.compiled.get(key)
         if compiled is None:
-            # Triton compiles (or finds) the kernel and launches it; later calls with this key reuse what it returned
-            self.compiled[key] = self.kernel[grid](*args, **kwargs)
-            return
+            specialisation = (*options, *layout.specialisation(args))
+            compiled = self.specialisations.get(specialisation)
+            if compiled is None:
+                # Triton compiles (or finds) the kernel and launches it; later calls reuse what it returned
+                self.compiled[key] = self.specialisations[specialisation] = self.kernel[grid](*args, **kwargs)
+                return
+            if len(self.compiled) >= _MAX_FAST_KEYS:  # lengths that change every call (decoding) must not pile up
+                self.compiled.clear()
+            self.compiled[key] = compiled
         grid = (*grid, 1, 1)
         compiled.run(
             grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
