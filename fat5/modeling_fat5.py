@@ -32,7 +32,7 @@ from .kernels.attention import attention, attention_varlen
 from .kernels.cross_entropy import cross_entropy
 from .kernels.position_bias import alibi_slopes
 from .kernels.rms_norm import rms_norm
-from .kernels.rotary import apply_rotary, rotary_cos_sin
+from .kernels.rotary import apply_rotary
 
 
 @dataclass
@@ -297,8 +297,7 @@ class FAT5Attention(nn.Module):
 
     def _rotate(self, states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # states: (batch, heads, length, head_dim); position_ids: (batch, length)
-        cos, sin = rotary_cos_sin(position_ids, self.key_value_proj_dim, self.rope_theta, dtype=torch.float32)
-        return apply_rotary(states, cos[:, None], sin[:, None], backend=self.backend)
+        return apply_rotary(states, position_ids, self.rope_theta, backend=self.backend)
 
     def forward(
         self,
