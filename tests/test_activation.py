@@ -33,6 +33,7 @@ def _relative_error(actual, expected):
     gated=st.booleans(),
 )
 def test_triton_matches_transformers_activation_fp32(shape, activation, gated):
+    torch.manual_seed(sum(shape) + 100 * len(shape))  # hypothesis replays a failing example with the same inputs
     gate = (torch.randn(*shape) * 3.0).requires_grad_()
     linear = torch.randn(*shape).requires_grad_() if gated else None
     grad_output = torch.randn(*shape)
@@ -42,9 +43,13 @@ def test_triton_matches_transformers_activation_fp32(shape, activation, gated):
     grads = torch.autograd.grad(output, inputs, grad_output)
     expected, expected_grads = _float64_truth(gate, linear, activation, grad_output)
     assert output.shape == gate.shape and output.dtype == torch.float32
-    assert _relative_error(output, expected) < 1e-5
+    # fp32 evaluates GELU's tail as x * (1 + erf(x)) - about |x| * 6e-8 of cancellation error, which torch's own
+    # fp32 GELU shares: the bound allows that much beside the 1e-5 relative error
+    error = (output.double() - expected.double()).norm()
+    assert error <= 1e-5 * expected.double().norm() + 1e-7 * gate.detach().double().norm()
+    cancellation = 1e-7 * (grad_output.double() * (1.0 + gate.detach().double().abs())).norm()
     for grad, expected_grad in zip(grads, expected_grads):
-        assert (grad.double() - expected_grad).norm() <= 1e-5 * max(expected_grad.norm(), 1e-6)
+        assert (grad.double() - expected_grad).norm() <= 1e-5 * expected_grad.norm() + cancellation
 
 
 @pytest.mark.parametrize("activation", ["gelu_new", "silu"])
