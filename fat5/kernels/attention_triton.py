@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import op_namespace
+from .launch import device_guard
 
 try:
     import triton
@@ -141,21 +142,6 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-class _DeviceGuard:
-    """Make the tensors' CUDA device current for the launches (a no-op on the CPU interpreter)."""
-
-    def __init__(self, device: torch.device):
-        self.context = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self):
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc):
-        if self.context is not None:
-            self.context.__exit__(*exc)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # T5 buckets and the per-head bias by relative position
 
@@ -203,7 +189,7 @@ def t5_relative_buckets(
     num_heads = 1 if table is None else table.shape[1]
     bias = None if table is None else torch.empty(num_heads, count, dtype=torch.float32, device=device)
     block = min(1024, triton.next_power_of_2(max(count, 16)))
-    with _DeviceGuard(device):
+    with device_guard(device):
         _t5_bias_by_distance_kernel[(triton.cdiv(count, block), num_heads)](
             buckets if table is None else table,
             buckets if bias is None else bias,
@@ -312,7 +298,7 @@ def _forward(
     num_splits = triton.cdiv(num_n_blocks, blocks_per_split)
     is_split = num_splits > 1
 
-    with _DeviceGuard(device):
+    with device_guard(device):
         bias, bias_strides, max_distance_arg, _ = _position_arguments(
             position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
         )
@@ -360,7 +346,7 @@ def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table
     num_heads, num_positions = distance_grad.shape[-2:]
     grad_by_distance = distance_grad.view(-1, num_heads, num_positions).sum(dim=0)
     table_grad = torch.empty(table.shape, dtype=table.dtype, device=table.device)
-    with _DeviceGuard(table.device):
+    with device_guard(table.device):
         _t5_table_gradient_kernel[(num_heads,)](
             grad_by_distance, buckets, table_grad, table_grad.stride(0), table_grad.stride(1),
             num_positions, table.shape[0], BLOCK=triton.next_power_of_2(num_positions),
@@ -383,7 +369,7 @@ def _backward(
     dkdv_config = _config("dkdv", device, problem.head_dim, query.dtype)
     dq_config = _config("dq", device, problem.head_dim, query.dtype)
     num_n_blocks = triton.cdiv(problem.seqlen_k, dkdv_config.block_n)
-    with _DeviceGuard(device):
+    with device_guard(device):
         bias, bias_strides, max_distance_arg, buckets = _position_arguments(
             position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
         )

@@ -12,10 +12,14 @@ aligned, an integer's width, whether it is 1 and whether it is a multiple of 16 
 kernel does not specialise on). Two calls with the same specialisation key get the same compiled kernel from Triton,
 so reusing it is exact. The fast key, looked up first, holds the integers' values instead (one C-level tuple, no
 Python loop over them); a miss maps the call to its specialisation, so a new length does not launch the slow way.
-Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch runs. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached
-path; set ``FAT5_PLAIN_TRITON_LAUNCH=1`` to launch every kernel the plain way.
+Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch runs. Triton's launch hooks
+(``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached path; set
+``FAT5_PLAIN_TRITON_LAUNCH=1`` to launch every kernel the plain way.
+
+The launcher keys on the current CUDA device and launches on its current stream: launch under ``device_guard``.
 """
 
+import contextlib
 import operator
 import os
 
@@ -24,6 +28,11 @@ import torch
 _MAX_FAST_KEYS = 4096
 _INT32 = range(-(2**31), 2**31)
 _INT64 = range(-(2**63), 2**63)
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` the current CUDA device for the launches inside (nothing on the CPU interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _plain_launch_only() -> bool:

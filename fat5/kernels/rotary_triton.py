@@ -12,11 +12,9 @@ try:
 except ImportError as error:  # rotary.py falls back to the reference
     raise ImportError("rotary_triton needs the `triton` package") from error
 
-import contextlib
-
 import torch
 
-from .launch import CachedLauncher
+from .launch import CachedLauncher, device_guard
 
 _BLOCK_ROWS = 32
 
@@ -64,7 +62,7 @@ def rotate(states: torch.Tensor, position_ids: torch.Tensor, inverse_frequency: 
         return output
     half_dim = head_dim // 2
     grid = (triton.cdiv(length, _BLOCK_ROWS), batch * num_heads)
-    with torch.cuda.device(states.device) if states.is_cuda else contextlib.nullcontext():
+    with device_guard(states.device):
         _rotary_kernel[grid](
             states, output, position_ids, inverse_frequency,
             states.stride(0), states.stride(1), states.stride(2), output.stride(0), output.stride(1),
