@@ -41,10 +41,12 @@ class TokenLayout:
 
     Padded batches carry a ``padding_mask``; packed batches (several examples per row) carry the flat indices of
     their real tokens and the segments' boundaries, which the varlen attention uses to keep examples apart.
-    ``position_ids`` restart at 0 in every segment (packed) or start at the cache length (decoding).
+    ``position_ids`` restart at 0 in every segment (packed) or start at ``query_offset``, the cache length when
+    decoding: an int, or a one-element tensor with a static cache, whose length lives on the device.
     """
 
     position_ids: torch.Tensor
+    query_offset: int | torch.Tensor = 0
     padding_mask: torch.Tensor | None = None
     indices: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
@@ -65,7 +67,7 @@ class TokenLayout:
                     f"attention_mask must be (batch, length) with batch {batch_size}, got {tuple(attention_mask.shape)}"
                 )
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
-        return cls(position_ids=position_ids, padding_mask=padding_mask)
+        return cls(position_ids=position_ids, query_offset=offset, padding_mask=padding_mask)
 
     @classmethod
     def packed(cls, segment_ids: torch.Tensor) -> "TokenLayout":
@@ -295,6 +297,13 @@ class FAT5Attention(nn.Module):
             return dict(position_encoding="bias", attn_bias=position_source)
         return dict(position_encoding="none")
 
+    def _static_cache(self, past_key_values) -> bool:
+        """Whether this self-attention layer decodes into a fixed-size cache buffer (transformers' StaticCache)."""
+        if past_key_values is None or self.is_cross_attention:
+            return False
+        layers = past_key_values.self_attention_cache.layers
+        return self.layer_idx < len(layers) and getattr(layers[self.layer_idx], "is_compileable", False)
+
     def _rotate(self, states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # states: (batch, heads, length, head_dim); position_ids: (batch, length)
         return apply_rotary(states, position_ids, self.rope_theta, backend=self.backend)
@@ -314,9 +323,7 @@ class FAT5Attention(nn.Module):
         key_value_layout = layout if key_value_layout is None else key_value_layout
         query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
 
-        query_offset = 0
-        if past_key_values is not None and not self.is_cross_attention:
-            query_offset = past_key_values.self_attention_cache.get_seq_length(self.layer_idx)
+        query_offset = 0 if self.is_cross_attention else layout.query_offset
         if self.position_encoding == "rope":
             query = self._rotate(query, layout.position_ids)
 
@@ -372,6 +379,10 @@ class FAT5Attention(nn.Module):
             output = output.view(batch_size, query_length, self.inner_dim)
         else:
             key_padding_mask = key_value_layout.padding_mask
+            narrow_mask = key_padding_mask is not None and key_padding_mask.shape[1] < key_length
+            if narrow_mask and self._static_cache(past_key_values):
+                # a static cache's keys are its whole buffer; the slots after the written ones are hidden (causal)
+                key_padding_mask = nn.functional.pad(key_padding_mask, (0, key_length - key_padding_mask.shape[1]))
             if key_padding_mask is not None and key_padding_mask.shape[1] != key_length:
                 raise ValueError(
                     f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
@@ -508,6 +519,9 @@ class FAT5Stack(nn.Module):
             layout = TokenLayout.packed(segment_ids)
         else:
             offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+            if isinstance(offset, torch.Tensor):
+                # a static cache's length: a tensor that each layer's update advances in place, so read it once here
+                offset = offset.clone()
             layout = TokenLayout.padded(batch_size, length, attention_mask, offset, inputs_embeds.device)
 
         encoder_layout = None
@@ -845,6 +859,11 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+        """``generate`` builds a 4-D causal mask when it decodes into a static cache; FAT5's kernels mask causally from
+        positions and take padding as a (batch, keys) mask, so the 2-D decoder mask passes through unchanged."""
+        return attention_mask
 
 
 class FAT5EncoderModel(FAT5PreTrainedModel):

@@ -115,6 +115,36 @@ def test_decoding_against_a_long_cache(cache):
     check_against_reference(run, [query, key, value, table])
 
 
+def test_one_cuda_graph_decodes_every_position():
+    """A decoding step captured once, the position a device tensor advanced between replays (a static KV cache)."""
+    torch.manual_seed(7)
+    batch, heads, buffer, head_dim = 4, 12, 160, 64
+    key, value = (torch.randn(batch, heads, buffer, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randn(32, heads, device="cuda")
+    query = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    position = torch.zeros(1, dtype=torch.long, device="cuda")
+    options = dict(causal=True, position_encoding="t5", relative_attention_bias=table, bidirectional=False)
+
+    def step():
+        return attention(query, key, value, query_offset=position, **options)
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compiles the kernel outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for current in (0, 1, 63, 64, 100, buffer - 1):
+            position.fill_(current)
+            graph.replay()
+            expected = attention(query.float(), key.float(), value.float(), query_offset=current, backend="reference",
+                                 **options)
+            assert relative_error(out, expected) < TOLERANCE, current
+
+
 @pytest.mark.parametrize("deterministic_algorithms", [False, True])
 def test_gradients_are_bitwise_reproducible(deterministic_algorithms):
     """dk, dv and the table gradient never depend on scheduling; dq does (fp32 atomics, as FlashAttention-2)

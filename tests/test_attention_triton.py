@@ -302,6 +302,46 @@ def _check_table_gradient_is_deterministic():
     assert all(relative_error(g, e) < 1e-4 for g, e in zip(grads[0], expected_grads))
 
 
+@pytest.mark.parametrize("position_encoding", ["none", "t5", "alibi"])
+@pytest.mark.parametrize("query_length", [1, 3])
+def test_query_offset_read_from_a_tensor(position_encoding, query_length):
+    """Decoding into a static cache: the offset is a device tensor the kernel reads, the keys the whole buffer."""
+    torch.manual_seed(8)
+    heads, buffer, position = 2, 40, 17
+    query = torch.randn(2, heads, query_length, 16, device=DEVICE)
+    key, value = torch.randn(2, heads, buffer, 16, device=DEVICE), torch.randn(2, heads, buffer, 16, device=DEVICE)
+    key[:, :, position + query_length :] = 0.0  # the unwritten slots of a static cache
+    position_arguments = {
+        "none": {},
+        "t5": {"relative_attention_bias": torch.randn(8, heads, device=DEVICE), "num_buckets": 8, "max_distance": 6,
+               "bidirectional": False},
+        "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25], device=DEVICE)},
+    }[position_encoding]
+    offset = torch.tensor([position], device=DEVICE)
+    with torch.no_grad():
+        out = attention(query, key, value, causal=True, query_offset=offset, position_encoding=position_encoding,
+                        backend="triton", **position_arguments)
+    truth_arguments = {"t5": {"table": position_arguments.get("relative_attention_bias"), "num_buckets": 8,
+                              "max_distance": 6, "bidirectional": False},
+                       "alibi": {"slopes": position_arguments.get("alibi_slopes")}}.get(position_encoding, {})
+    expected = truth(query, key, value, causal=True, query_offset=position, position_encoding=position_encoding,
+                     **truth_arguments)
+    assert relative_error(out, expected) < 1e-5
+    # with autograd recording, the offset is read back to the host: the backward kernels take an int
+    leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value)]
+    recorded = attention(*leaves, causal=True, query_offset=offset, position_encoding=position_encoding,
+                         backend="triton", **position_arguments)
+    assert relative_error(recorded, expected) < 1e-5
+    assert all(torch.isfinite(grad).all() for grad in torch.autograd.grad(recorded.sum(), leaves))
+
+
+@pytest.mark.parametrize("offset", [torch.tensor([1.0]), torch.tensor([1, 2]), torch.tensor(True)])
+def test_bad_query_offset_tensors_are_refused(offset):
+    query = torch.randn(1, 2, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="query_offset"):
+        attention(query, query, query, query_offset=offset.to(DEVICE), backend="triton")
+
+
 def test_torch_compile_fullgraph_traces_through_attention():
     torch.manual_seed(6)
     query, key, value = make_leaf(1, 2, 24, 16), make_leaf(1, 2, 24, 16), make_leaf(1, 2, 24, 16)
@@ -326,12 +366,16 @@ def test_custom_ops_pass_opcheck():
     torch.manual_seed(7)
     query, key, value = (torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
-    arguments = (query, key, value, None, table, None, None, 20, 20, 1.0, True, 0, "t5", True, 8, 6)
+    arguments = (query, key, value, None, table, None, None, 20, 20, 1.0, True, 0, "t5", True, 8, 6, None)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(attention_triton.attention_forward_op, arguments, test_utils=checks)
     out, lse = attention_triton.attention_forward_op(*arguments)
-    backward_arguments = (torch.randn_like(out), query, key, value, out, lse, *arguments[3:], True)
+    backward_arguments = (torch.randn_like(out), query, key, value, out, lse, *arguments[3:-1], True)
     torch.library.opcheck(attention_triton.attention_backward_op, backward_arguments, test_utils=checks)
+    with torch.no_grad():  # the decoding form: the offset as a tensor the kernel reads
+        decoding = (query[:, :, :1].detach(), key.detach(), value.detach(), *arguments[3:11], 0, *arguments[12:16],
+                    torch.tensor([19], device=DEVICE))
+        torch.library.opcheck(attention_triton.attention_forward_op, decoding, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,61 @@ def test_cached_decoding_equals_full_forward(position_encoding):
     assert relative_error(torch.cat(steps, dim=1), full) < 1e-5
 
 
+@pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
+def test_static_cache_generates_the_dynamic_cache_ids(position_encoding):
+    """transformers' StaticCache (what ``generate`` compiles into CUDA graphs): fixed-size buffers, the cache length a
+    device tensor; greedy ids equal the default cache's, with and without a decoder mask."""
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, position_encoding=position_encoding, attention_backend="reference")
+    model = FAT5ForConditionalGeneration(config).eval()
+    input_ids, attention_mask, _ = padded_batch()
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
+    static = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static", **settings)
+    assert torch.equal(static, expected)
+    decoder_mask = {"decoder_attention_mask": torch.ones(3, 1, dtype=torch.long)}
+    masked = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static",
+                            **decoder_mask, **settings)
+    assert torch.equal(masked, expected)
+
+
+def test_static_cache_matches_transformers_t5():
+    hf = make_hf("t5v1.1", seed=3)
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch(seed=4)
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "cache_implementation": "static"}
+    expected = hf.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
+    assert torch.equal(model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings), expected)
+
+
+def test_static_cache_decoding_step_traces_as_one_graph():
+    """The decoding step that ``generate`` compiles: no graph break, no recompilation as the position advances."""
+    import torch._dynamo.testing
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, position_encoding="t5", attention_backend="reference")
+    model = FAT5ForConditionalGeneration(config).eval()
+    input_ids, attention_mask, _ = padded_batch()
+    expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                              do_sample=False)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
+        cache = EncoderDecoderCache(StaticCache(config=config, max_cache_len=8),
+                                    StaticCache(config=config, max_cache_len=input_ids.shape[1]))
+        tokens = [torch.zeros(3, 1, dtype=torch.long)]
+        for step in range(6):
+            forward = model if step == 0 else compiled  # the first step fills the cross-attention cache, eagerly
+            logits = forward(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                             decoder_input_ids=tokens[-1], past_key_values=cache).logits
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+    assert torch.equal(torch.cat(tokens, dim=1), expected)
+    assert counter.frame_count == 1
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", attention_backend="reference")

@@ -19,7 +19,9 @@ from .position_bias import alibi_position_bias, t5_position_bias
 POSITION_ENCODINGS = ("none", "t5", "alibi", "bias")
 
 
-def _check_inputs(query, key, value, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p):
+def _check_inputs(
+    query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
+):
     if position_encoding not in POSITION_ENCODINGS:
         raise ValueError(f"position_encoding must be one of {POSITION_ENCODINGS}, got {position_encoding!r}")
     if key.shape != value.shape:
@@ -35,6 +37,14 @@ def _check_inputs(query, key, value, position_encoding, relative_attention_bias,
         raise ValueError(f"position_encoding={position_encoding!r} needs `{argument}`")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if isinstance(query_offset, torch.Tensor):
+        if query_offset.numel() != 1 or query_offset.dtype.is_floating_point or query_offset.dtype == torch.bool:
+            raise ValueError(
+                f"query_offset must be an int or a one-element integer tensor, got a {query_offset.dtype} tensor of "
+                f"shape {tuple(query_offset.shape)}"
+            )
+        if query_offset.device != query.device:
+            raise ValueError(f"query_offset is on {query_offset.device} but the query on {query.device}")
 
 
 def _reference(
@@ -75,7 +85,7 @@ def attention(
     scale: float = 1.0,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
-    query_offset: int = 0,
+    query_offset: int | torch.Tensor = 0,
     position_encoding: str = "none",
     relative_attention_bias: torch.Tensor | None = None,
     bidirectional: bool = True,
@@ -92,7 +102,9 @@ def attention(
         scale: multiplies ``q·k`` (T5: 1.0, its scaling lives in the initialisation).
         causal: hide keys after the query position.
         key_padding_mask: (batch, key_length) bool, True where the key may be attended.
-        query_offset: position of the first query (the cache length when decoding step by step).
+        query_offset: position of the first query (the cache length when decoding step by step): an int, or a
+            one-element integer tensor on the query's device, which the Triton kernel reads in place (no host
+            synchronisation; a CUDA graph of a decoding step stays valid as the position advances).
         position_encoding: ``"none"``, ``"t5"``, ``"alibi"`` or ``"bias"``.
         relative_attention_bias: the (num_buckets, heads) T5 table, for ``"t5"``; it receives a gradient.
         bidirectional, num_buckets, max_distance: the T5 bucket parameters.
@@ -103,7 +115,9 @@ def attention(
     """
     if query.dim() != 4:
         raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(query, key, value, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p)
+    _check_inputs(
+        query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
+    )
     if key_padding_mask is not None and key_padding_mask.shape != (key.shape[0], key.shape[2]):
         raise ValueError(
             f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, got {tuple(key_padding_mask.shape)}"
@@ -132,7 +146,7 @@ def attention_varlen(
     *,
     scale: float = 1.0,
     causal: bool = False,
-    query_offset: int = 0,
+    query_offset: int | torch.Tensor = 0,
     position_encoding: str = "none",
     relative_attention_bias: torch.Tensor | None = None,
     bidirectional: bool = True,
@@ -151,7 +165,9 @@ def attention_varlen(
     """
     if query.dim() != 3:
         raise ValueError(f"attention_varlen expects (tokens, heads, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(query, key, value, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p)
+    _check_inputs(
+        query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
+    )
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
         raise ValueError(
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must be 1-D "

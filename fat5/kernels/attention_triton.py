@@ -273,8 +273,9 @@ def _expand_bias(attn_bias: torch.Tensor, problem: _Problem) -> torch.Tensor:
 
 def _forward(
     query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance,
+    scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance, query_offset_tensor=None,
 ):
+    """``query_offset_tensor``, when given, replaces ``query_offset``: the kernel reads the offset from it."""
     problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     device = query.device
     out = torch.empty_like(query)
@@ -316,6 +317,7 @@ def _forward(
             query, key, value, out, lse, partial_acc, partial_max, partial_sum,
             dummy if padding is None else padding, dummy if bias is None else bias,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
+            dummy if query_offset_tensor is None else query_offset_tensor,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(out, problem), *_row_stats_strides(lse, problem),
             0 if padding is None else padding.stride(0),
@@ -326,6 +328,7 @@ def _forward(
             POSITION=_POSITION_CODES[position_encoding], MAX_DISTANCE=max_distance_arg, CAUSAL=causal,
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
             SAFE_CLEAN=padding is not None or position_encoding == "bias",
+            OFFSET_IN_MEMORY=query_offset_tensor is not None,
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
         if is_split:
@@ -488,18 +491,20 @@ def attention_forward_op(
     bidirectional: bool,
     num_buckets: int,
     max_distance: int,
+    query_offset_tensor: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and its row log-sum-exp (log2 units, +inf for rows that see no key)."""
     return _forward(
         query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance,
+        query_offset_tensor,
     )
 
 
 @attention_forward_op.register_fake
 def _attention_forward_fake(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
                             max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding,
-                            bidirectional, num_buckets, max_distance):
+                            bidirectional, num_buckets, max_distance, query_offset_tensor):
     if cu_seqlens_q is None:
         lse = query.new_empty(query.shape[:3], dtype=torch.float32)
     else:
@@ -550,7 +555,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, key_padding_
 
 
 def _setup_context(ctx, inputs, output):
-    (query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options) = inputs
+    (query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options, _) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k)
     ctx.options = options
@@ -565,7 +570,7 @@ def _attention_backward(ctx, grad_out, grad_lse):
         grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
         *ctx.options, position_grad,
     )
-    return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 11
+    return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 12
 
 
 attention_forward_op.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -581,7 +586,7 @@ class _EagerAttention(torch.autograd.Function):
                             *options)
         ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
                               cu_seqlens_k)
-        ctx.options = options
+        ctx.options = options[:-1]  # without query_offset_tensor, which only inference passes
         return out
 
     @staticmethod
@@ -592,7 +597,7 @@ class _EagerAttention(torch.autograd.Function):
             grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
             *ctx.options, position_grad,
         )
-        return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 11
+        return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 12
 
 
 def _attention(*arguments) -> torch.Tensor:
@@ -645,6 +650,17 @@ def _prepare(tensors, head_dim):
     return prepared
 
 
+def _query_offset_arguments(query_offset, tensors) -> tuple[int, torch.Tensor | None]:
+    """(offset as an int, offset tensor for the kernel to read). A tensor offset stays on the device when autograd
+    records nothing: no host synchronisation, and one CUDA graph of a decoding step serves every position. The
+    backward kernels take the offset as an int, so a recorded call reads it back to the host."""
+    if not isinstance(query_offset, torch.Tensor):
+        return int(query_offset), None
+    if torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors):
+        return int(query_offset), None
+    return 0, query_offset.reshape(1)
+
+
 def _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias):
     if position_encoding == "t5":
         return relative_attention_bias
@@ -663,7 +679,7 @@ def flash_attention(
     scale: float = 1.0,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
-    query_offset: int = 0,
+    query_offset: int | torch.Tensor = 0,
     position_encoding: str = "none",
     relative_attention_bias: torch.Tensor | None = None,
     bidirectional: bool = True,
@@ -694,12 +710,13 @@ def flash_attention(
                 f"attn_bias {tuple(attn_bias.shape)} does not broadcast to (batch, heads, query_length, key_length) "
                 f"= {(batch, num_heads, query_length, key_length)}"
             ) from error
+    position_tensor = _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias)
+    query_offset, query_offset_tensor = _query_offset_arguments(query_offset, (query, key, value, position_tensor))
     query, key, value = _prepare((query, key, value), head_dim)
     out = _attention(
-        query, key, value, key_padding_mask,
-        _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
-        None, None, query_length, key_length, float(scale), bool(causal), int(query_offset), position_encoding,
-        bool(bidirectional), int(num_buckets), int(max_distance),
+        query, key, value, key_padding_mask, position_tensor,
+        None, None, query_length, key_length, float(scale), bool(causal), query_offset, position_encoding,
+        bool(bidirectional), int(num_buckets), int(max_distance), query_offset_tensor,
     )
     return out if out.shape[-1] == head_dim else out[..., :head_dim]
 
@@ -715,7 +732,7 @@ def flash_attention_varlen(
     *,
     scale: float = 1.0,
     causal: bool = False,
-    query_offset: int = 0,
+    query_offset: int | torch.Tensor = 0,
     position_encoding: str = "none",
     relative_attention_bias: torch.Tensor | None = None,
     bidirectional: bool = True,
@@ -734,12 +751,13 @@ def flash_attention_varlen(
             f"attn_bias for varlen attention is (heads, max_seqlen_q, max_seqlen_k) = "
             f"{(num_heads, max_seqlen_q, max_seqlen_k)}, got {tuple(attn_bias.shape)}"
         )
+    position_tensor = _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias)
+    query_offset, query_offset_tensor = _query_offset_arguments(query_offset, (query, key, value, position_tensor))
     query, key, value = _prepare((query, key, value), head_dim)
     out = _attention(
-        query, key, value, None,
-        _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias),
+        query, key, value, None, position_tensor,
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k),
-        float(scale), bool(causal), int(query_offset), position_encoding, bool(bidirectional), int(num_buckets),
-        int(max_distance),
+        float(scale), bool(causal), query_offset, position_encoding, bool(bidirectional), int(num_buckets),
+        int(max_distance), query_offset_tensor,
     )
     return out if out.shape[-1] == head_dim else out[..., :head_dim]

@@ -344,7 +344,7 @@ def _key_ranges(
 @_jit_for_varying_shapes
 def _attention_forward_kernel(
     Q, K, V, Out, Lse, PartialAcc, PartialMax, PartialSum,
-    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
+    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK, QueryOffset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -363,8 +363,11 @@ def _attention_forward_kernel(
     IS_VARLEN: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     SAFE_CLEAN: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    if OFFSET_IN_MEMORY:  # decoding with a static cache: the position advances between replays of one CUDA graph
+        query_offset = tl.load(QueryOffset).to(tl.int32)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if CAUSAL:  # the longest rows first, so that the short ones fill the tail of the grid
