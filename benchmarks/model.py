@@ -11,6 +11,7 @@ import gc
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -192,7 +193,6 @@ def profile_training(name, model, length, batch, path, steps=3):
     """Where a training step's time goes, appended to the text file ``path``: the host's time to enqueue one step
     against the device's time to run it (a host-bound step has them equal), the host synchronisations inside a
     step, and the CUDA kernels and host-side operators of ``steps`` steps by total time."""
-    import time
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -239,26 +239,36 @@ def profile_training(name, model, length, batch, path, steps=3):
 
 
 @torch.no_grad()
-def measure_generation(models, batches=(1, 32), input_length=512, new_tokens=128):
-    rows, outputs = [], {}
+def measure_generation(models, caches=("dynamic",), batches=(1, 32), input_length=512, new_tokens=128):
+    """Greedy generation of ``new_tokens`` tokens. ``"static"`` is transformers' StaticCache, with which ``generate``
+    compiles the decoding step (``torch.compile``, mode reduce-overhead: CUDA graphs); its first call compiles and is
+    not timed. Every output is compared with transformers' own (dynamic cache) ids."""
+    rows = []
     for batch in batches:
         input_ids, _ = random_batch(batch, input_length, 1, 32128, seed=batch)
+        outputs = {}
         for name, model in models.items():
-            release()
-            model.eval()
+            for cache in caches:
+                release()
+                model.eval()
+                extra = {"cache_implementation": "static"} if cache == "static" else {}
 
-            def generate():
-                return model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, num_beams=1)
+                def generate():
+                    return model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                          do_sample=False, num_beams=1, **extra)
 
-            outputs[name] = generate()
-            milliseconds = time_ms(generate, warmup=1, repeats=3)
-            rows.append(dict(implementation=name, batch=batch, input_length=input_length, new_tokens=new_tokens,
-                             ms=round(milliseconds, 1), tokens_per_second=round(batch * new_tokens / milliseconds * 1e3)))
-            print(rows[-1], flush=True)
-        if {"fat5", "transformers"} <= outputs.keys():
-            same = (outputs["fat5"] == outputs["transformers"]).float().mean().item()
-            rows.append(dict(batch=batch, identical_token_fraction_bf16=round(same, 4)))
+                started = time.perf_counter()
+                outputs[name, cache] = generate()
+                first_call_s = time.perf_counter() - started
+                milliseconds = time_ms(generate, warmup=1, repeats=3)
+                rows.append(dict(implementation=name, cache=cache, batch=batch, input_length=input_length,
+                                 new_tokens=new_tokens, ms=round(milliseconds, 1), first_call_s=round(first_call_s, 1),
+                                 tokens_per_second=round(batch * new_tokens / milliseconds * 1e3)))
+                reference = outputs.get(("transformers", "dynamic"))
+                if reference is not None and reference.shape == outputs[name, cache].shape:
+                    same = (outputs[name, cache] == reference).float().mean().item()
+                    rows[-1]["identical_token_fraction_bf16"] = round(same, 4)
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -320,6 +330,9 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--implementations", nargs="+", default=["fat5", "transformers"], choices=IMPLEMENTATIONS)
     parser.add_argument("--skip", nargs="*", default=[], choices=["training", "encoder", "generation", "longest"])
+    parser.add_argument("--generation-caches", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"],
+                        help="KV caches to generate with (static: generate compiles the decoding step)")
+    parser.add_argument("--generation-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="LENGTH",
                         help="also profile training steps at these encoder lengths (kernel table beside --out)")
     parser.add_argument("--out", default="benchmarks/results/model.json")
@@ -344,7 +357,9 @@ def main(argv=None):
     if "encoder" not in args.skip:
         results["encoder"] = measure_encoder(eager, args.lengths, DEFAULT_BATCHES)
     if "generation" not in args.skip:
-        results["generation"] = measure_generation(eager)
+        # transformers first: its dynamic-cache ids are what every other output is compared with
+        ordered = dict(sorted(eager.items(), key=lambda item: item[0] != "transformers"))
+        results["generation"] = measure_generation(ordered, args.generation_caches, args.generation_batches)
     if "longest" not in args.skip:
         results["longest_batch1"] = [longest_trainable(name, model) for name, model in eager.items()]
     document = write_result(args.out, results, shape=args.shape, peak_bf16_tflops=peak)
