@@ -62,7 +62,7 @@ def worker(args) -> None:
     data = copy_task(rows, args.encoder_length, args.decoder_length, shape["vocab_size"], seed=1234)
     training = Seq2SeqTrainingArguments(
         output_dir=args.run_dir, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
-        warmup_steps=10, lr_scheduler_type="constant_with_warmup", optim="adamw_torch", weight_decay=0.0,
+        warmup_steps=10, lr_scheduler_type="constant_with_warmup", optim=args.optim, weight_decay=0.0,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed,
         bf16=not args.tiny, use_cpu=args.tiny, train_sampling_strategy="sequential", dataloader_num_workers=0,
         ddp_find_unused_parameters=False, remove_unused_columns=False,
@@ -110,7 +110,7 @@ def launch(name: str, args, *, processes: int, strategy: str, batch: int, seed: 
     worker_args = [str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--result", str(result_file),
                    "--steps", str(args.steps), "--batch", str(batch), "--global-batch", str(batch * processes),
                    "--seed", str(seed), "--encoder-length", str(args.encoder_length),
-                   "--decoder-length", str(args.decoder_length)]
+                   "--decoder-length", str(args.decoder_length), "--optim", args.optim]
     if args.tiny:
         worker_args.append("--tiny")
     if strategy != "single":
@@ -181,7 +181,10 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed.json"))
     parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, gloo")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 100; 8 with --tiny)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per GPU b (default 16; 2 with --tiny)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per GPU b (default 64; 2 with --tiny)")
+    parser.add_argument("--optim", default=None,
+                        help="the Trainer's optimizer (default adamw_torch_fused, one kernel per step for every "
+                             "parameter, also FSDP2's DTensors; adamw_torch with --tiny)")
     parser.add_argument("--encoder-length", type=int, default=None)
     parser.add_argument("--decoder-length", type=int, default=None)
     parser.add_argument("--processes", type=int, default=2)
@@ -195,7 +198,8 @@ def main() -> int:
     parser.add_argument("--save-model", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps or (8 if args.tiny else 100)
-    args.batch = args.batch or (2 if args.tiny else 16)
+    args.batch = args.batch or (2 if args.tiny else 64)
+    args.optim = args.optim or ("adamw_torch" if args.tiny else "adamw_torch_fused")
     args.encoder_length = args.encoder_length or (64 if args.tiny else 1024)
     args.decoder_length = args.decoder_length or (16 if args.tiny else 256)
     if args.worker:
@@ -227,7 +231,7 @@ def main() -> int:
     reference = runs["1gpu_batch2b_seed0"]
     summary = {"per_device_batch": b, "processes": n, "steps": args.steps,
                "encoder_length": args.encoder_length, "decoder_length": args.decoder_length,
-               "model": "tiny" if args.tiny else "t5-v1.1-base shape"}
+               "model": "tiny" if args.tiny else "t5-v1.1-base shape", "optim": args.optim}
     if "error" not in reference and "error" not in runs["1gpu_batch2b_seed1"]:
         noise = curve_difference(reference["losses"], runs["1gpu_batch2b_seed1"]["losses"])
         summary["seed_noise"] = noise
