@@ -232,6 +232,24 @@ def test_static_cache_decoding_step_traces_as_one_graph():
     assert counter.frame_count == 1
 
 
+@pytest.mark.gpu
+def test_compiled_static_cache_generation_on_gpu():
+    """What ``generate(cache_implementation="static")`` does on a GPU: the Triton kernels inside the decoding step
+    that transformers compiles into CUDA graphs, giving the ids of the eager dynamic cache (fp32, so that the
+    compiler's fusions cannot flip a near tie; benchmarks/model.py compares bf16 ids at the base shape)."""
+    torch.manual_seed(0)
+    config = FAT5Config(**dict(TINY, d_kv=64, num_heads=2, d_model=64), attention_backend="triton")
+    model = FAT5ForConditionalGeneration(config).cuda().eval()
+    input_ids, attention_mask, _ = padded_batch()
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    settings = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
+    for _ in range(2):  # the second call replays the captured graphs
+        static = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static",
+                                **settings)
+        assert torch.equal(static, expected)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", attention_backend="reference")
