@@ -8,7 +8,7 @@ import pytest
 
 from fat5.cli import main
 
-SUBCOMMANDS = ["convert", "export-hf", "bundle", "push", "pretrain", "finetune"]
+SUBCOMMANDS = ["convert", "export-hf", "bundle", "push", "pretrain", "finetune", "bench"]
 
 
 @pytest.mark.parametrize("command", [[], *([name] for name in SUBCOMMANDS)])
@@ -37,3 +37,14 @@ def test_installed_command_reports_a_mistake_in_one_line(tmp_path):
     [line] = completed.stderr.splitlines()
     assert line.startswith(f"fat5 convert: error: {tmp_path / 'nowhere'}: no such folder")
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_runs_a_benchmark_script_with_its_arguments(capfd):
+    """`fat5 bench model --help` is benchmarks/model.py's own help; an unknown name lists the known ones."""
+    assert main(["bench", "model", "--help"]) == 0
+    assert "--generation-caches" in capfd.readouterr().out
+    assert main(["bench", "cross-entropy", "--help"]) == 0
+    assert "usage: cross_entropy.py" in capfd.readouterr().out
+    assert main(["bench", "nonsense"]) == 2
+    error = capfd.readouterr().err
+    assert "unknown benchmark 'nonsense'" in error and "rms-norm" in error
