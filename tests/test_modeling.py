@@ -180,7 +180,7 @@ def test_cached_decoding_equals_full_forward(position_encoding):
 @pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
 def test_static_cache_generates_the_dynamic_cache_ids(position_encoding):
     """transformers' StaticCache (what ``generate`` compiles into CUDA graphs): fixed-size buffers, the cache length a
-    device tensor; greedy ids equal the default cache's, with and without a decoder mask."""
+    device tensor; greedy and beam-search ids equal the default cache's, with and without a decoder mask."""
     torch.manual_seed(0)
     config = FAT5Config(**TINY, position_encoding=position_encoding, attention_backend="reference")
     model = FAT5ForConditionalGeneration(config).eval()
@@ -193,6 +193,11 @@ def test_static_cache_generates_the_dynamic_cache_ids(position_encoding):
     masked = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static",
                             **decoder_mask, **settings)
     assert torch.equal(masked, expected)
+    beams = {**settings, "num_beams": 3}  # beam search reorders the static buffers in place
+    assert torch.equal(
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static", **beams),
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, **beams),
+    )
 
 
 def test_static_cache_matches_transformers_t5():
