@@ -777,6 +777,10 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     examples per row, numbered 1..n, 0 on padding; segment ``s`` of the decoder row is the target of segment ``s``
     of the encoder row; the decoder inputs must then be given, shifted per segment) and ``num_items_in_batch``
     (the Trainer's count of labelled tokens across gradient-accumulation steps: the loss is their sum over it).
+
+    ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
+    preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
+    the decoding step once into CUDA graphs and replays it for every new token.
     """
 
     def __init__(self, config: FAT5Config):
