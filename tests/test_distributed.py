@@ -197,3 +197,61 @@ def test_fsdp_per_block_gives_the_unsharded_loss_and_gradients(position_encoding
     sharded_loss, whole_loss, differing_gradients = result.split()[1:]
     assert float(sharded_loss) == pytest.approx(float(whole_loss), rel=1e-5)
     assert differing_gradients == "-"
+
+
+@pytest.mark.parametrize(
+    "name, distributed_type",
+    [("single_gpu", "NO"), ("ddp", "MULTI_GPU"), ("fsdp", "FSDP"), ("deepspeed_zero2", "DEEPSPEED")],
+)
+def test_shipped_accelerate_configs_load_and_save_plain_models(name, distributed_type):
+    # accelerate's own loader validates the fields; the sharded ones must name FAT5's block and save whole models.
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from fat5 import modeling_fat5
+
+    config = load_config_from_file(str(REPO / "examples" / "accelerate" / f"{name}.yaml"))
+    assert config.distributed_type == distributed_type
+    if distributed_type == "FSDP":
+        block = getattr(modeling_fat5, config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"])
+        assert issubclass(block, torch.nn.Module)
+        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    if distributed_type == "DEEPSPEED":
+        assert config.deepspeed_config["zero_stage"] == 2  # parameters unsharded: save_model writes them whole
+        assert config.deepspeed_config["offload_optimizer_device"] == "none"
+
+
+def _trainer_state(fsdp_state_dict_type=None, zero_optimization=None):
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(state_dict_type=fsdp_state_dict_type),
+        deepspeed_plugin=SimpleNamespace(deepspeed_config={"zero_optimization": zero_optimization or {}}),
+    )
+    return SimpleNamespace(
+        is_fsdp_enabled=fsdp_state_dict_type is not None,
+        is_deepspeed_enabled=zero_optimization is not None,
+        accelerator=SimpleNamespace(state=state),
+    )
+
+
+@pytest.mark.parametrize(
+    "trainer_options, match",
+    [
+        ({"fsdp_state_dict_type": "StateDictType.FULL_STATE_DICT"}, None),
+        ({"fsdp_state_dict_type": "StateDictType.SHARDED_STATE_DICT"}, "FULL_STATE_DICT"),
+        ({"zero_optimization": {"stage": 2}}, None),
+        ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}, None),
+        ({"zero_optimization": {"stage": 3}}, "zero3_save_16bit_model"),
+        ({}, None),
+    ],
+)
+def test_sharded_final_saves_are_refused_before_training(trainer_options, match):
+    from fat5.errors import FAT5Error
+    from fat5.trainer.trainer import require_full_state_dict
+
+    trainer = _trainer_state(**trainer_options)
+    if match is None:
+        require_full_state_dict(trainer)
+    else:
+        with pytest.raises(FAT5Error, match=match):
+            require_full_state_dict(trainer)

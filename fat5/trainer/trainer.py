@@ -30,8 +30,9 @@ def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tenso
 
 
 def require_full_state_dict(trainer) -> None:
-    """Raise FAT5Error, before any training, when FSDP would save sharded checkpoints: ``save_model`` then writes
-    no model at all, and a job's final folder must be a plain model that ``from_pretrained`` loads."""
+    """Raise FAT5Error, before any training, when FSDP or DeepSpeed ZeRO-3 would save sharded checkpoints:
+    ``save_model`` then writes no usable model, and a job's final folder must be a plain model that
+    ``from_pretrained`` loads."""
     from ..errors import FAT5Error
 
     if trainer.is_fsdp_enabled:
@@ -40,6 +41,12 @@ def require_full_state_dict(trainer) -> None:
             raise FAT5Error(f"FSDP state dict type {state_dict_type}: the final model would not be saved; set "
                             "fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config "
                             "(examples/accelerate/fsdp.yaml)")
+    if trainer.is_deepspeed_enabled:
+        zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+            raise FAT5Error("DeepSpeed ZeRO-3 without zero3_save_16bit_model: the final model would be saved "
+                            "without its sharded weights; set zero3_save_16bit_model: true in the accelerate "
+                            "config's deepspeed_config, or use ZeRO-2 (examples/accelerate/deepspeed_zero2.yaml)")
 
 
 def _yields_batches(dataset) -> bool:
