@@ -863,8 +863,8 @@ def _near_table_gradient_inner(
             diagonal = chunk + tl.arange(0, DIAGONAL_CHUNK)
             source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
             on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
-            sums = tl.sum(tl.load(scratch + source_rows * BLOCK_M + columns[None, :], mask=on_tile, other=0.0,
-                                  volatile=True), axis=1)
+            # Plain loads, served by L1: after the barrier the block's own stores are visible to all its threads.
+            sums = tl.sum(tl.load(scratch + source_rows * BLOCK_M + columns[None, :], mask=on_tile, other=0.0), axis=1)
             slot = base + diagonal - (BLOCK_M - 1) + MAX_DISTANCE + 1
             real = diagonal < BLOCK_M + BLOCK_N - 1
             left_sum += tl.sum(tl.where(real & (slot <= 0), sums, 0.0), axis=0)
