@@ -93,7 +93,7 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 # the tables.
 CONFIG_OVERRIDES: dict = {}
 # Diagonals of a near T5 tile re-read per step of the table-gradient reduction (registers of the skewed read). 16
-# against 32: the attention fwd+bwd 5% faster at L 1024 on an H100 (benchmarks/README.md, attention section).
+# against 32: the attention fwd+bwd 5% faster at L 1024 on an H100 (benchmarks/README.md, whole-model section).
 _DIAGONAL_CHUNK = 16
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
