@@ -1,4 +1,5 @@
-"""CachedLauncher: a reused compiled kernel must be the one Triton itself would pick for the arguments."""
+"""Kernel launching: CachedLauncher must reuse the compiled kernel Triton itself would pick for the arguments, and
+the Triton version gate must name what is missing."""
 
 import pytest
 import torch
@@ -86,3 +87,23 @@ def test_cached_launches_match_torch_for_every_specialisation():
     # sizes and strides of the same classes reuse them
     assert len(_strided_axpy_kernel.specialisations) == 2 * len(cases)
     assert len(_strided_axpy_kernel.compiled) == 2 * len(cases + same_specialisation)
+
+
+def test_triton_older_than_the_kernels_need_is_refused_by_name(monkeypatch):
+    from fat5.kernels import dispatch
+
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    dispatch.triton_unusable_reason.cache_clear()
+    try:
+        assert not dispatch.triton_available()
+        try:
+            dispatch.use_triton("triton", torch.zeros(2))
+        except RuntimeError as error:
+            assert "triton >= 3.3" in str(error) and "3.2.0" in str(error)
+        else:
+            raise AssertionError("backend='triton' with triton 3.2 must raise")
+        assert dispatch.use_triton("auto", torch.zeros(2)) is False
+    finally:
+        monkeypatch.undo()
+        dispatch.triton_unusable_reason.cache_clear()
+    assert dispatch.triton_available()

@@ -112,7 +112,7 @@ Architecture: {sizes}.
 
 ## How to load
 
-The modelling code ships with the weights, so only `transformers` and `torch` are needed (`triton` for the fused
+The modelling code ships with the weights, so only `transformers` and `torch` are needed (`triton` >= 3.3 for the fused
 kernels on a GPU):
 
 ```python

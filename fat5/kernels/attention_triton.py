@@ -66,9 +66,11 @@ _CONFIGS = {
                  128: LaunchConfig(64, 128, 8, 2), 256: LaunchConfig(32, 64, 4, 2)},
         "dq": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
                128: LaunchConfig(128, 64, 8, 3), 256: LaunchConfig(64, 32, 4, 2)},
-        # the near-tile table-gradient kernel uses the dkdv tiles; only its warps and stages are its own
+        # the near-tile table-gradient kernel uses the dkdv tiles; only its warps and stages are its own. At 128
+        # (64 x 128 tiles) 8 warps hold the gathered diagonals without spilling: 2.22 ms against 3.02 with 4 (fwd+bwd,
+        # 16 x 1024 tokens)
         "near": {16: LaunchConfig(0, 0, 4, 3), 32: LaunchConfig(0, 0, 4, 3), 64: LaunchConfig(0, 0, 4, 3),
-                 128: LaunchConfig(0, 0, 4, 2), 256: LaunchConfig(0, 0, 4, 1)},
+                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
     "sm80": {
         "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
@@ -92,9 +94,11 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq" | "near": LaunchConfig} wins over
 # the tables.
 CONFIG_OVERRIDES: dict = {}
-# Diagonals of a near T5 tile re-read per step of the table-gradient reduction (registers of the skewed read). 16
-# against 32: the attention fwd+bwd 5% faster at L 1024 on an H100 (benchmarks/README.md, whole-model section).
-_DIAGONAL_CHUNK = 16
+# At most this many diagonals of a near T5 tile are skewed by one tl.gather in the table-gradient reduction (the
+# gathered rows live in registers). Each gather stores the whole tile to shared memory, so fewer and larger steps
+# win: at 128 (all 127 diagonals of a 64 x 64 tile at once) the attention fwd+bwd at L 1024 took 2.40 ms, at 64
+# 2.42, at 32 2.71 (H100, H 12, D 64; benchmarks/README.md, whole-model section).
+_MAX_DIAGONAL_CHUNK = 128
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
 # (H100, benchmarks/results/attention_sweep.json).
@@ -103,6 +107,14 @@ _FUSED_DQ_MAX_HEAD_DIM = 64
 
 def _padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _diagonal_chunk(config: LaunchConfig, device: torch.device) -> int:
+    """Diagonals per step of the near-tile reduction: all of a tile's at once up to ``_MAX_DIAGONAL_CHUNK``; under
+    the interpreter 8, so that the tests' small tiles take several steps."""
+    if device.type != "cuda":
+        return 8
+    return min(triton.next_power_of_2(config.block_m + config.block_n - 1), _MAX_DIAGONAL_CHUNK)
 
 
 def _config(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
@@ -432,18 +444,15 @@ def _backward(
         )
         if table_grad:
             near_config = _config("near", device, problem.head_dim, query.dtype)
-            # one (key block x query block) fp32 tile per program, for the skewed re-read of near tiles
-            scratch = torch.empty(grid[0] * grid[1], dkdv_config.block_m * dkdv_config.block_n,
-                                  dtype=torch.float32, device=device)
             _t5_near_table_gradient_kernel[grid](
-                query, key, value, grad_out, lse, delta, padding_pointer, bias, distance_grad[1], scratch,
+                query, key, value, grad_out, lse, delta, padding_pointer, bias, distance_grad[1],
                 *cu_pointers,
                 *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
                 *_token_strides(grad_out, problem), *_row_stats_strides(lse, problem),
                 0 if padding is None else padding.stride(0), bias.stride(0),
                 *shape_arguments,
                 BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,  # the dk/dv kernel's tiles: same far tiles
-                EVEN_M=even_m, DIAGONAL_CHUNK=_DIAGONAL_CHUNK if device.type == "cuda" else 8,  # several chunks on CPU
+                EVEN_M=even_m, DIAGONAL_CHUNK=_diagonal_chunk(dkdv_config, device),
                 **common, **_launch_kwargs(near_config, device),
             )
         if fused_dq:

@@ -14,7 +14,7 @@ Conventions shared by every kernel here:
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
   from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
   by the dk/dv kernel); the near tiles are recomputed by ``_t5_near_table_gradient_kernel`` and summed along their
-  diagonals (equal ``rel``) by a skewed re-read through a per-program scratch tile, into that program's own fp32
+  diagonals (equal ``rel``), the tile skewed in shared memory by ``tl.gather``, into that program's own fp32
   row of sums per relative position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
   buckets afterwards.
 * dq: fp32 atomics from the dk/dv kernel (as FlashAttention-2) for head_dim <= 64, else (and under
@@ -832,7 +832,7 @@ def _attention_backward_dkdv_kernel(
 def _near_table_gradient_inner(
     left_sum, right_sum, k, v, keys, key_keep,
     q_base, do_base, stride_qm, stride_dom, lse_base, delta_base, bias_base,
-    scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n,
+    distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n,
     block_start, block_end,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -854,17 +854,14 @@ def _near_table_gradient_inner(
             INPUT_PRECISION,
         )
         # ds_t[jl, il] has rel = base + jl - il: diagonal t = jl - il + BLOCK_M - 1 holds rel = base + t - (BM - 1).
-        # The tile goes through this program's scratch and is re-read skewed, DIAGONAL_CHUNK diagonals at a time.
+        # tl.gather skews the tile through shared memory, DIAGONAL_CHUNK diagonals at a time (one row each).
         base = start_n - query_offset - block * BLOCK_M
-        tl.debug_barrier()  # the previous tile's skewed reads are done before the tile is overwritten
-        tl.store(scratch + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + columns[None, :], ds_t)
-        tl.debug_barrier()
         for chunk in tl.static_range(0, BLOCK_M + BLOCK_N - 1, DIAGONAL_CHUNK):
             diagonal = chunk + tl.arange(0, DIAGONAL_CHUNK)
             source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
             on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
-            # Plain loads, served by L1: after the barrier the block's own stores are visible to all its threads.
-            sums = tl.sum(tl.load(scratch + source_rows * BLOCK_M + columns[None, :], mask=on_tile, other=0.0), axis=1)
+            skewed = tl.gather(ds_t, tl.where(on_tile, source_rows, 0), 0)
+            sums = tl.sum(tl.where(on_tile, skewed, 0.0), axis=1)
             slot = base + diagonal - (BLOCK_M - 1) + MAX_DISTANCE + 1
             real = diagonal < BLOCK_M + BLOCK_N - 1
             left_sum += tl.sum(tl.where(real & (slot <= 0), sums, 0.0), axis=0)
@@ -878,7 +875,7 @@ def _near_table_gradient_inner(
 
 @_jit_for_varying_shapes
 def _t5_near_table_gradient_kernel(
-    Q, K, V, GradOut, Lse, Delta, KeyPaddingMask, Bias, DistanceGrad, Scratch, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, GradOut, Lse, Delta, KeyPaddingMask, Bias, DistanceGrad, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -919,7 +916,6 @@ def _t5_near_table_gradient_kernel(
     delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
     bias_base = Bias + head64 * stride_bias_h
     program = (batch64 * tl.num_programs(0) + pid_n) * num_heads + head64
-    scratch = Scratch + program * (BLOCK_N * BLOCK_M)
     distance_row = DistanceGrad + program * (2 * MAX_DISTANCE + 3)
     _, block_lo, clean_start, far_right_end, far_left_start = _query_ranges(
         start_n, seqlen_q, seqlen_k, query_offset, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
@@ -932,13 +928,13 @@ def _t5_near_table_gradient_kernel(
         masked_end = clean_start
     left_sum, right_sum = _near_table_gradient_inner(
         left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-        bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
+        bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
         BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
     )
     if not CAUSAL:
         left_sum, right_sum = _near_table_gradient_inner(
             left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, scratch, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
+            bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
             far_left_start,
             BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
         )

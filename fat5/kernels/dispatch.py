@@ -5,20 +5,40 @@ on CPU tensors only under ``TRITON_INTERPRET=1``, which is how the CPU test suit
 (Triton for CUDA tensors when triton is installed, the reference otherwise).
 """
 
+import functools
 import hashlib
 import os
+import re
+import warnings
 
 import torch
 
 BACKENDS = ("auto", "reference", "triton")
+# tl.gather (the near-tile reduction of the T5 table gradient) first shipped in Triton 3.3 (PyTorch 2.7)
+MIN_TRITON_VERSION = (3, 3)
+
+
+@functools.cache
+def triton_unusable_reason() -> str | None:
+    """Why the Triton kernels cannot run here (not installed, too old), or None when they can."""
+    try:
+        import triton
+    except ImportError:
+        return "the `triton` package is not installed"
+    version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    if version < MIN_TRITON_VERSION:
+        wanted = ".".join(map(str, MIN_TRITON_VERSION))
+        return f"the kernels need triton >= {wanted} (PyTorch >= 2.7), this environment has triton {triton.__version__}"
+    return None
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_unusable_reason() is None
+
+
+@functools.cache
+def _warn_reference_fallback(reason: str) -> None:
+    warnings.warn(f"FAT5 runs its PyTorch reference ops on CUDA (slower, more memory): {reason}", stacklevel=3)
 
 
 def use_triton(backend: str, tensor: torch.Tensor) -> bool:
@@ -29,14 +49,19 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
         return False
     if backend == "triton":
         if not triton_available():
-            raise RuntimeError("backend='triton' needs the `triton` package, which is not installed")
+            raise RuntimeError(f"backend='triton' cannot run: {triton_unusable_reason()}")
         if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "backend='triton' got tensors on the CPU: move them to a CUDA device, set TRITON_INTERPRET=1 "
                 "to run the kernels through Triton's interpreter, or use backend='reference'"
             )
         return True
-    return tensor.is_cuda and triton_available()
+    if not tensor.is_cuda:
+        return False
+    if not triton_available():
+        _warn_reference_fallback(triton_unusable_reason())
+        return False
+    return True
 
 
 def op_namespace(module_name: str) -> str:
