@@ -5,7 +5,6 @@ on CPU tensors only under ``TRITON_INTERPRET=1``, which is how the CPU test suit
 (Triton for CUDA tensors when triton is installed, the reference otherwise).
 """
 
-import functools
 import hashlib
 import os
 import re
@@ -16,15 +15,14 @@ import torch
 BACKENDS = ("auto", "reference", "triton")
 # tl.gather (the near-tile reduction of the T5 table gradient) first shipped in Triton 3.3 (PyTorch 2.7)
 MIN_TRITON_VERSION = (3, 3)
+_TRITON_NOT_INSTALLED = "the `triton` package is not installed"
 
 
-@functools.cache
-def triton_unusable_reason() -> str | None:
-    """Why the Triton kernels cannot run here (not installed, too old), or None when they can."""
+def _triton_unusable_reason() -> str | None:
     try:
         import triton
     except ImportError:
-        return "the `triton` package is not installed"
+        return _TRITON_NOT_INSTALLED
     version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
     if version < MIN_TRITON_VERSION:
         wanted = ".".join(map(str, MIN_TRITON_VERSION))
@@ -32,13 +30,15 @@ def triton_unusable_reason() -> str | None:
     return None
 
 
+# Why the Triton kernels cannot run here, or None when they can. Settled once at import: the ops read it inside
+# torch.compile'd code, where a check that imports or parses would be traced.
+TRITON_UNUSABLE_REASON = _triton_unusable_reason()
+if TRITON_UNUSABLE_REASON not in (None, _TRITON_NOT_INSTALLED):  # CPU-only installs lack triton by design
+    warnings.warn(f"FAT5's Triton kernels are off, its PyTorch reference ops run instead: {TRITON_UNUSABLE_REASON}")
+
+
 def triton_available() -> bool:
-    return triton_unusable_reason() is None
-
-
-@functools.cache
-def _warn_reference_fallback(reason: str) -> None:
-    warnings.warn(f"FAT5 runs its PyTorch reference ops on CUDA (slower, more memory): {reason}", stacklevel=3)
+    return TRITON_UNUSABLE_REASON is None
 
 
 def use_triton(backend: str, tensor: torch.Tensor) -> bool:
@@ -49,19 +49,14 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
         return False
     if backend == "triton":
         if not triton_available():
-            raise RuntimeError(f"backend='triton' cannot run: {triton_unusable_reason()}")
+            raise RuntimeError(f"backend='triton' cannot run: {TRITON_UNUSABLE_REASON}")
         if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 "backend='triton' got tensors on the CPU: move them to a CUDA device, set TRITON_INTERPRET=1 "
                 "to run the kernels through Triton's interpreter, or use backend='reference'"
             )
         return True
-    if not tensor.is_cuda:
-        return False
-    if not triton_available():
-        _warn_reference_fallback(triton_unusable_reason())
-        return False
-    return True
+    return tensor.is_cuda and triton_available()
 
 
 def op_namespace(module_name: str) -> str:
