@@ -4,6 +4,8 @@ Measures a training step (forward, backward, fused AdamW; bf16 weights), the enc
 128 tokens, and the longest encoder input that trains with batch 1. Decoder length is a quarter of the encoder's.
 
     python benchmarks/model.py --shape base --out benchmarks/results/model_base.json
+    python benchmarks/model.py --shape large --batches 512:32 1024:16 2048:8 4096:2 --skip encoder generation longest \
+        --implementations transformers fat5 fat5-cudagraphs --out benchmarks/results/model_large.json
 """
 
 import argparse
@@ -312,8 +314,11 @@ def plot(document, path):
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name in IMPLEMENTATIONS:
         rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
-        left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=name)
-        right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=name)
+        if not rows:
+            continue
+        style = dict(marker="o", label=name, color=f"C{IMPLEMENTATIONS.index(name)}")  # one colour per model everywhere
+        left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], **style)
+        right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], **style)
     for axis, label in ((left, "training tokens/s"), (right, "peak GiB")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("encoder length (decoder = length / 4)")
@@ -335,8 +340,16 @@ def main(argv=None):
     parser.add_argument("--generation-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="LENGTH",
                         help="also profile training steps at these encoder lengths (kernel table beside --out)")
+    parser.add_argument("--batches", nargs="+", default=[], metavar="LENGTH:BATCH",
+                        help=f"training/encoder batch per encoder length, over the defaults {DEFAULT_BATCHES}")
     parser.add_argument("--out", default="benchmarks/results/model.json")
     args = parser.parse_args(argv)
+    batches = dict(DEFAULT_BATCHES)
+    for pair in args.batches:
+        length, _, batch = pair.partition(":")
+        if not (length.isdigit() and batch.isdigit()):
+            parser.error(f"--batches takes LENGTH:BATCH pairs such as 1024:16, got {pair!r}")
+        batches[int(length)] = int(batch)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/model.py needs a CUDA GPU")
 
@@ -348,14 +361,14 @@ def main(argv=None):
                                                    COMMON["vocab_size"])}
     if "training" not in args.skip:
         results["training"] = [row for name, model in models.items()
-                               for row in measure_training(name, model, args.lengths, DEFAULT_BATCHES, peak)]
+                               for row in measure_training(name, model, args.lengths, batches, peak)]
     for length in args.profile:
         for name, model in models.items():
-            profile_training(name, model, length, DEFAULT_BATCHES.get(length, 1), args.out.replace(".json", "_profile.txt"))
+            profile_training(name, model, length, batches.get(length, 1), args.out.replace(".json", "_profile.txt"))
     # compiled blocks are specialised to training shapes: a decoding step of every new length would recompile
     eager = {name: model for name, model in models.items() if name not in COMPILED}
     if "encoder" not in args.skip:
-        results["encoder"] = measure_encoder(eager, args.lengths, DEFAULT_BATCHES)
+        results["encoder"] = measure_encoder(eager, args.lengths, batches)
     if "generation" not in args.skip:
         # transformers first: its dynamic-cache ids are what every other output is compared with
         ordered = dict(sorted(eager.items(), key=lambda item: item[0] != "transformers"))
