@@ -39,23 +39,26 @@ from .kernels.rotary import apply_rotary
 class TokenLayout:
     """Where the real tokens of a (batch, length) block of hidden states are.
 
-    Padded batches carry a ``padding_mask``; packed batches (several examples per row) carry the flat indices of
-    their real tokens and the segments' boundaries, which the varlen attention uses to keep examples apart.
-    ``position_ids`` restart at 0 in every segment (packed) or start at ``query_offset``, the cache length when
-    decoding: an int, or a one-element tensor with a static cache, whose length lives on the device.
+    Padded batches carry a ``padding_mask``. Packed batches (several examples per row) are cut into segments for the
+    varlen attention, which keeps examples apart: each row into one segment per example slot of the batch (empty
+    where the row holds fewer examples) and a last one for its padding tail. The segments then follow the tokens'
+    own row-major order, so the hidden states reach the varlen attention as a view, with no gather or scatter; a
+    padding tail attends only to itself, and the loss never reads what it produces. ``examples`` says which example
+    slots of each row hold tokens (the decoder's must match the encoder's). ``position_ids`` restart at 0 in every
+    segment (packed) or start at ``query_offset``, the cache length when decoding: an int, or a one-element tensor
+    with a static cache, whose length lives on the device.
     """
 
     position_ids: torch.Tensor
     query_offset: int | torch.Tensor = 0
     padding_mask: torch.Tensor | None = None
-    indices: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
-    segment_keys: torch.Tensor | None = None
+    examples: torch.Tensor | None = None
 
     @property
     def is_packed(self) -> bool:
-        return self.indices is not None
+        return self.cu_seqlens is not None
 
     @classmethod
     def padded(cls, batch_size, length, attention_mask=None, offset=0, device=None) -> "TokenLayout":
@@ -71,30 +74,37 @@ class TokenLayout:
 
     @classmethod
     def packed(cls, segment_ids: torch.Tensor) -> "TokenLayout":
-        """From (batch, length) segment ids: 1..n for the examples of a row, in order, and 0 on padding."""
+        """From (batch, length) segment ids: 1, 2, ... for the examples of a row, in order, then 0 on padding.
+
+        Two reads back to the host (the number of example slots with the validity check, then the longest
+        segment), both before any of the model's kernels."""
         if segment_ids.dim() != 2 or segment_ids.dtype.is_floating_point:
             raise ValueError(f"segment_ids must be a (batch, length) integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}")
         batch_size, length = segment_ids.shape
-        flat = segment_ids.reshape(-1).long()
-        indices = torch.nonzero(flat > 0).flatten()
-        rows = indices // length
-        # one key per (row, segment): equal keys must be contiguous, or a segment was split
-        keys = rows * (int(flat.max()) + 1) + flat[indices]
-        segment_keys, counts = torch.unique_consecutive(keys, return_counts=True)
-        if segment_keys.numel() != torch.unique(segment_keys).numel():
-            raise ValueError("segment_ids must number each row's examples in contiguous runs (1, 1, 2, 2, 0, ...)")
-        cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=segment_ids.device)
+        ids = segment_ids.long()
+        if ids.numel() == 0:
+            empty = torch.zeros(1, dtype=torch.int32, device=ids.device)
+            return cls(position_ids=ids, cu_seqlens=empty, examples=ids.new_zeros((batch_size, 0), dtype=torch.bool))
+        # padding takes the slot after the last example, so that a valid row's slots never decrease
+        slots_per_row = ids.max() + 1
+        slots = torch.where(ids > 0, ids - 1, slots_per_row - 1)
+        invalid = (ids < 0).any() | (slots[:, 1:] < slots[:, :-1]).any()
+        slots_per_row, invalid = torch.stack([slots_per_row, invalid.long()]).tolist()
+        if invalid:
+            raise ValueError(
+                "segment_ids must number each row's examples 1, 2, 3, ... in increasing order, each in one contiguous "
+                "run, with padding (0) only after a row's last example"
+            )
+        row_slots = (torch.arange(batch_size, device=ids.device)[:, None] * slots_per_row + slots).flatten()
+        counts = torch.bincount(row_slots, minlength=batch_size * slots_per_row)
+        cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=ids.device)
         cu_seqlens[1:] = torch.cumsum(counts, 0)
-        segment_of_token = torch.repeat_interleave(torch.arange(counts.numel(), device=segment_ids.device), counts)
-        positions = torch.arange(indices.numel(), device=segment_ids.device) - cu_seqlens[:-1].long()[segment_of_token]
-        position_ids = torch.zeros(batch_size * length, dtype=torch.long, device=segment_ids.device)
-        position_ids[indices] = positions
+        positions = torch.arange(row_slots.numel(), device=ids.device) - cu_seqlens[:-1].long()[row_slots]
         return cls(
-            position_ids=position_ids.view(batch_size, length),
-            indices=indices,
+            position_ids=positions.view(batch_size, length),
             cu_seqlens=cu_seqlens,
-            max_seqlen=int(counts.max()) if counts.numel() else 0,
-            segment_keys=segment_keys,
+            max_seqlen=int(counts.max()),
+            examples=counts.view(batch_size, slots_per_row)[:, :-1] > 0,
         )
 
 
@@ -365,17 +375,14 @@ class FAT5Attention(nn.Module):
         position = self._position_arguments(position_source, query.device)
 
         if layout.is_packed:
+            # the segments follow the tokens' row-major order (TokenLayout): the batch viewed as one row of tokens
             flat_shape = (-1, self.n_heads, self.key_value_proj_dim)
-            packed_query = query.transpose(1, 2).reshape(flat_shape)[layout.indices]
-            packed_key = key.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
-            packed_value = value.transpose(1, 2).reshape(flat_shape)[key_value_layout.indices]
-            packed_output = attention_varlen(
-                packed_query, packed_key, packed_value, layout.cu_seqlens, key_value_layout.cu_seqlens,
+            output = attention_varlen(
+                query.transpose(1, 2).reshape(flat_shape), key.transpose(1, 2).reshape(flat_shape),
+                value.transpose(1, 2).reshape(flat_shape), layout.cu_seqlens, key_value_layout.cu_seqlens,
                 layout.max_seqlen, key_value_layout.max_seqlen,
                 scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend, **position,
             )
-            output = packed_output.new_zeros(batch_size * query_length, self.n_heads, self.key_value_proj_dim)
-            output = output.index_copy(0, layout.indices, packed_output)
             output = output.view(batch_size, query_length, self.inner_dim)
         else:
             key_padding_mask = key_value_layout.padding_mask
@@ -528,7 +535,8 @@ class FAT5Stack(nn.Module):
         if encoder_hidden_states is not None:
             if encoder_segment_ids is not None:
                 encoder_layout = TokenLayout.packed(encoder_segment_ids)
-                if not layout.is_packed or not torch.equal(layout.segment_keys, encoder_layout.segment_keys):
+                same_examples = layout.is_packed and layout.examples.shape == encoder_layout.examples.shape
+                if not same_examples or not torch.equal(layout.examples, encoder_layout.examples):
                     raise ValueError(
                         "decoder_segment_ids must hold the same examples, row by row, as the encoder's segment_ids"
                     )

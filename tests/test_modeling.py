@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration
 
 from fat5 import (
@@ -154,6 +156,106 @@ def test_packed_rows_give_each_example_its_own_logits(position_encoding):
         alone = [model(input_ids=e[None], decoder_input_ids=d[None]).logits[0] for e, d in zip(encoder_parts, decoder_parts)]
     assert relative_error(packed[:3], alone[0]) < 1e-5
     assert relative_error(packed[3:7], alone[1]) < 1e-5
+
+
+def packed_batch(rows, encoder_width, decoder_width, generator):
+    """Rows of (encoder length, decoder length) examples packed back to back, then padded: the ids, segment ids and
+    each example's own (input_ids, decoder_input_ids, row, decoder start)."""
+    input_ids = torch.zeros(len(rows), encoder_width, dtype=torch.long)
+    decoder_input_ids = torch.zeros(len(rows), decoder_width, dtype=torch.long)
+    segment_ids = torch.zeros_like(input_ids)
+    decoder_segment_ids = torch.zeros_like(decoder_input_ids)
+    examples = []
+    for row, lengths in enumerate(rows):
+        encoder_at = decoder_at = 0
+        for number, (encoder_length, decoder_length) in enumerate(lengths, start=1):
+            encoder = torch.randint(2, 96, (encoder_length,), generator=generator)
+            decoder = torch.randint(2, 96, (decoder_length,), generator=generator)
+            input_ids[row, encoder_at : encoder_at + encoder_length] = encoder
+            segment_ids[row, encoder_at : encoder_at + encoder_length] = number
+            decoder_input_ids[row, decoder_at : decoder_at + decoder_length] = decoder
+            decoder_segment_ids[row, decoder_at : decoder_at + decoder_length] = number
+            examples.append((encoder, decoder, row, decoder_at))
+            encoder_at += encoder_length
+            decoder_at += decoder_length
+    return input_ids, segment_ids, decoder_input_ids, decoder_segment_ids, examples
+
+
+row_of_examples = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4)), min_size=0, max_size=3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.lists(row_of_examples, min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_packed_batches_of_any_layout_give_each_example_its_own_logits(rows, seed):
+    """Rows holding different numbers of examples (none, or filling the row), padded or not: every example's
+    logits are those it gets alone."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    encoder_width = max([sum(e for e, _ in row) for row in rows] + [1])
+    decoder_width = max([sum(d for _, d in row) for row in rows] + [1])
+    input_ids, segment_ids, decoder_input_ids, decoder_segment_ids, examples = packed_batch(
+        rows, encoder_width, decoder_width, generator
+    )
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=decoder_input_ids,
+                       decoder_segment_ids=decoder_segment_ids).logits
+        for encoder, decoder, row, start in examples:
+            alone = model(input_ids=encoder[None], decoder_input_ids=decoder[None]).logits[0]
+            assert relative_error(packed[row, start : start + decoder.numel()], alone) < 1e-5
+
+
+def test_packed_batch_through_the_triton_kernels_matches_the_reference():
+    """Empty example slots, rows without padding, a row of padding only, and decoder padding facing no encoder
+    padding: the varlen kernels (interpreter, fp32) give the reference's loss and gradients."""
+    rows = [[(5, 3), (4, 2)], [(6, 5)], [], [(9, 2)]]
+    input_ids, segment_ids, decoder_input_ids, decoder_segment_ids, _ = packed_batch(
+        rows, 9, 5, torch.Generator().manual_seed(0)
+    )
+    labels = torch.where(decoder_segment_ids > 0, decoder_input_ids, -100)
+    results = {}
+    for backend in ("reference", "triton"):
+        torch.manual_seed(0)
+        config = FAT5Config(**dict(TINY, d_kv=16, num_heads=2), attention_backend=backend)
+        model = FAT5ForConditionalGeneration(config).train()
+        loss = model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=decoder_input_ids,
+                     decoder_segment_ids=decoder_segment_ids, labels=labels).loss
+        loss.backward()
+        results[backend] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (loss, grads), (expected_loss, expected_grads) = results["triton"], results["reference"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        assert relative_error(grads[name], expected_grads[name]) < 1e-4, name
+
+
+def test_packed_layout_cuts_rows_into_example_slots_and_a_padding_tail():
+    """A hand-counted case: two rows, the second with one example of the batch's two and no padding."""
+    from fat5.modeling_fat5 import TokenLayout
+
+    layout = TokenLayout.packed(torch.tensor([[1, 1, 2, 0], [1, 1, 1, 1]]))
+    assert layout.cu_seqlens.tolist() == [0, 2, 3, 4, 8, 8, 8]
+    assert layout.max_seqlen == 4
+    assert layout.position_ids.tolist() == [[0, 1, 0, 0], [0, 1, 2, 3]]
+    assert layout.examples.tolist() == [[True, True], [True, False]]
+
+
+@pytest.mark.parametrize(
+    "segment_ids", [[[1, 0, 1, 0]], [[1, 1, 0, 2]], [[2, 2, 1, 0]], [[1, -1, 0, 0]]], ids=str
+)
+def test_packed_rows_out_of_order_are_refused_by_name(segment_ids):
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    with pytest.raises(ValueError, match="increasing order.*padding \\(0\\) only after"):
+        model.get_encoder()(input_ids=torch.ones(1, 4, dtype=torch.long), segment_ids=torch.tensor(segment_ids))
+
+
+def test_decoder_rows_must_hold_the_encoder_rows_examples():
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
+    input_ids = torch.ones(2, 4, dtype=torch.long)
+    segment_ids = torch.tensor([[1, 1, 2, 0], [1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="same examples"):
+        model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=torch.ones(2, 3, dtype=torch.long),
+              decoder_segment_ids=torch.tensor([[1, 2, 0], [1, 2, 0]]))
 
 
 @pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
