@@ -782,9 +782,10 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     """FAT5 with its language-modelling head: training with fused cross-entropy + z-loss, and ``generate``.
 
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
-    examples per row, numbered 1..n, 0 on padding; segment ``s`` of the decoder row is the target of segment ``s``
-    of the encoder row; the decoder inputs must then be given, shifted per segment) and ``num_items_in_batch``
-    (the Trainer's count of labelled tokens across gradient-accumulation steps: the loss is their sum over it).
+    examples per row, numbered 1..n in order, then 0 on the padding after the last; segment ``s`` of the decoder
+    row is the target of segment ``s`` of the encoder row; the decoder inputs must then be given, shifted per
+    segment) and ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
+    the loss is their sum over it).
 
     ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
