@@ -316,7 +316,7 @@ def plot(document, path):
         rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
         if not rows:
             continue
-        style = dict(marker="o", label=name, color=f"C{IMPLEMENTATIONS.index(name)}")  # one colour per model everywhere
+        style = {"marker": "o", "label": name, "color": f"C{IMPLEMENTATIONS.index(name)}"}  # one colour per model
         left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], **style)
         right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], **style)
     for axis, label in ((left, "training tokens/s"), (right, "peak GiB")):
