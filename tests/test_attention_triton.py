@@ -128,6 +128,29 @@ def test_every_encoding_with_padding_and_offset(position_encoding, causal, query
     compare(inputs, kernel, reference, 1e-4, 1e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("query_length", [64, 53])
+def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, causal, query_length):
+    """The GPU's head-dim-128 backward runs 64 x 128 tiles: each near tile's skewed reduction then wraps rows of
+    unequal length. The same shape of tiles, scaled down to the interpreter's."""
+    monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(16, 32, 1, 1))
+    torch.manual_seed(2)
+    batch, heads, key_length, head_dim = 2, 2, 70, 16
+    query, key, value = (make_leaf(batch, heads, n, head_dim) for n in (query_length, key_length, key_length))
+    table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
+    mask = torch.rand(batch, key_length, device=DEVICE) > 0.2
+    options = {"causal": causal, "key_padding_mask": mask, "query_offset": 3, "num_buckets": 8, "max_distance": 20}
+
+    def kernel(q, k, v, position_table):
+        return attention(q, k, v, position_encoding="t5", relative_attention_bias=position_table, backend="triton",
+                         **options)
+
+    def reference(q, k, v, position_table):
+        return truth(q, k, v, position_encoding="t5", table=position_table, **options)
+
+    compare((query, key, value, table), kernel, reference, 1e-4, 1e-3)
+
+
 @st.composite
 def dense_problems(draw):
     position_encoding = draw(st.sampled_from(["none", "t5", "t5", "alibi", "bias"]))

@@ -94,11 +94,6 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq" | "near": LaunchConfig} wins over
 # the tables.
 CONFIG_OVERRIDES: dict = {}
-# At most this many diagonals of a near T5 tile are skewed by one tl.gather in the table-gradient reduction (the
-# gathered rows live in registers). Each gather stores the whole tile to shared memory, so fewer and larger steps
-# win: at 128 (all 127 diagonals of a 64 x 64 tile at once) the attention fwd+bwd at L 1024 took 2.40 ms, at 64
-# 2.42, at 32 2.71 (H100, H 12, D 64; benchmarks/README.md, whole-model section).
-_MAX_DIAGONAL_CHUNK = 128
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
 # (H100, benchmarks/results/attention_sweep.json).
@@ -107,14 +102,6 @@ _FUSED_DQ_MAX_HEAD_DIM = 64
 
 def _padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def _diagonal_chunk(config: LaunchConfig, device: torch.device) -> int:
-    """Diagonals per step of the near-tile reduction: all of a tile's at once up to ``_MAX_DIAGONAL_CHUNK``; under
-    the interpreter 8, so that the tests' small tiles take several steps."""
-    if device.type != "cuda":
-        return 8
-    return min(triton.next_power_of_2(config.block_m + config.block_n - 1), _MAX_DIAGONAL_CHUNK)
 
 
 def _config(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
@@ -452,7 +439,7 @@ def _backward(
                 0 if padding is None else padding.stride(0), bias.stride(0),
                 *shape_arguments,
                 BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,  # the dk/dv kernel's tiles: same far tiles
-                EVEN_M=even_m, DIAGONAL_CHUNK=_diagonal_chunk(dkdv_config, device),
+                EVEN_M=even_m,
                 **common, **_launch_kwargs(near_config, device),
             )
         if fused_dq:

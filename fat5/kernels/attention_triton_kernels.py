@@ -842,10 +842,16 @@ def _near_table_gradient_inner(
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     EVEN_M: tl.constexpr,
-    DIAGONAL_CHUNK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    columns = tl.arange(0, BLOCK_M)
+    # skewed[t, i] = ds_t[(i + t) % BLOCK_N, i]: one tl.gather (through shared memory) puts diagonal t (jl - il = t)
+    # in row t where i + t < BLOCK_N, and diagonal t - BLOCK_N where it wrapped; BLOCK_M <= BLOCK_N keeps that one wrap.
+    tl.static_assert(BLOCK_M <= BLOCK_N)
+    shifts = tl.arange(0, BLOCK_N)
+    unwrapped = shifts[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    source_rows = tl.where(unwrapped < BLOCK_N, unwrapped, unwrapped - BLOCK_N)
+    wrapped = unwrapped >= BLOCK_N
+    lower_real = shifts > BLOCK_N - BLOCK_M  # rows whose wrapped part is not empty
     for block in range(block_start, block_end):
         _, _, _, ds_t = _backward_tile_ds(
             k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
@@ -853,23 +859,24 @@ def _near_table_gradient_inner(
             BLOCK_M, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
             INPUT_PRECISION,
         )
-        # ds_t[jl, il] has rel = base + jl - il: diagonal t = jl - il + BLOCK_M - 1 holds rel = base + t - (BM - 1).
-        # tl.gather skews the tile through shared memory, DIAGONAL_CHUNK diagonals at a time (one row each).
-        base = start_n - query_offset - block * BLOCK_M
-        for chunk in tl.static_range(0, BLOCK_M + BLOCK_N - 1, DIAGONAL_CHUNK):
-            diagonal = chunk + tl.arange(0, DIAGONAL_CHUNK)
-            source_rows = diagonal[:, None] + columns[None, :] - (BLOCK_M - 1)
-            on_tile = (source_rows >= 0) & (source_rows < BLOCK_N)
-            skewed = tl.gather(ds_t, tl.where(on_tile, source_rows, 0), 0)
-            sums = tl.sum(tl.where(on_tile, skewed, 0.0), axis=1)
-            slot = base + diagonal - (BLOCK_M - 1) + MAX_DISTANCE + 1
-            real = diagonal < BLOCK_M + BLOCK_N - 1
-            left_sum += tl.sum(tl.where(real & (slot <= 0), sums, 0.0), axis=0)
-            right_sum += tl.sum(tl.where(real & (slot >= 2 * MAX_DISTANCE + 2), sums, 0.0), axis=0)
-            inner = real & (slot > 0) & (slot < 2 * MAX_DISTANCE + 2)
-            # each slot of the row is one diagonal of this tile: a read-modify-write by the same threads
-            previous = tl.load(distance_row + slot, mask=inner, other=0.0)
-            tl.store(distance_row + slot, previous + sums, mask=inner)
+        skewed = tl.gather(ds_t, source_rows, 0)
+        upper = tl.sum(tl.where(wrapped, 0.0, skewed), axis=1)
+        lower = tl.sum(tl.where(wrapped, skewed, 0.0), axis=1)
+        # ds_t[jl, il] has rel = base + jl - il; slot = rel + MAX_DISTANCE + 1, the end slots sum everything beyond
+        upper_slot = start_n - query_offset - block * BLOCK_M + shifts + MAX_DISTANCE + 1
+        lower_slot = upper_slot - BLOCK_N
+        left_sum += tl.sum(tl.where(upper_slot <= 0, upper, 0.0) + tl.where(lower_slot <= 0, lower, 0.0), axis=0)
+        right_sum += tl.sum(tl.where(upper_slot >= 2 * MAX_DISTANCE + 2, upper, 0.0)
+                            + tl.where(lower_slot >= 2 * MAX_DISTANCE + 2, lower, 0.0), axis=0)
+        upper_inner = (upper_slot > 0) & (upper_slot < 2 * MAX_DISTANCE + 2)
+        lower_inner = lower_real & (lower_slot > 0) & (lower_slot < 2 * MAX_DISTANCE + 2)
+        # The slots a tile updates are disjoint, but the next tile's overlap them through other threads: the barrier
+        # orders this tile's read-modify-writes before the next tile's.
+        tl.store(distance_row + upper_slot, tl.load(distance_row + upper_slot, mask=upper_inner, other=0.0) + upper,
+                 mask=upper_inner)
+        tl.store(distance_row + lower_slot, tl.load(distance_row + lower_slot, mask=lower_inner, other=0.0) + lower,
+                 mask=lower_inner)
+        tl.debug_barrier()
     return left_sum, right_sum
 
 
@@ -892,7 +899,6 @@ def _t5_near_table_gradient_kernel(
     HAS_PADDING: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     EVEN_M: tl.constexpr,
-    DIAGONAL_CHUNK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """The near tiles' share of the T5 table gradient, per relative position, for one key block.
@@ -929,14 +935,14 @@ def _t5_near_table_gradient_kernel(
     left_sum, right_sum = _near_table_gradient_inner(
         left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
         bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
-        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
+        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M, INPUT_PRECISION,
     )
     if not CAUSAL:
         left_sum, right_sum = _near_table_gradient_inner(
             left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
             bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
             far_left_start,
-            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M, DIAGONAL_CHUNK, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M, INPUT_PRECISION,
         )
     tl.store(distance_row, left_sum)
     tl.store(distance_row + 2 * MAX_DISTANCE + 2, right_sum)
