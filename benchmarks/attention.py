@@ -51,20 +51,18 @@ TABLES = [  # (name, position encoding, head_dim, peers)
     ("t5_d128", "t5", 128, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
     ("alibi_d64", "alibi", 64, ("sdpa_flash_no_bias", "fat5", "flex")),
 ]
-SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers]), "near" takes the dkdv tiles
+SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers])
     "forward": [(64, 64, 4, 3, 128), (64, 64, 4, 3), (64, 64, 4, 2, 128), (128, 64, 8, 3), (128, 128, 8, 2),
                 (64, 128, 4, 3, 128), (128, 64, 4, 3, 128), (64, 32, 4, 3, 128)],
     "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
              (64, 64, 8, 3), (128, 128, 8, 2)],
-    "near": [(0, 0, 4, 3), (0, 0, 4, 2), (0, 0, 8, 3), (0, 0, 8, 2)],
     "decode": [(16, 64, 4, 4), (16, 128, 4, 4), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 4, 6), (16, 128, 4, 3)],
 }
 SWEEP_D128 = {
     "forward": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2)],
     "dkdv": [(64, 128, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 2)],
-    "near": [(0, 0, 4, 2), (0, 0, 8, 2)],
 }
-SWEEP_KINDS = ("forward", "dkdv", "near", "decode", "dq")  # the kernels a sweep entry can configure
+SWEEP_KINDS = ("forward", "dkdv", "decode", "dq")  # the kernels a sweep entry can configure
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def test_buckets_match_the_cuda_reference_bit_for_bit(bidirectional, num_buckets
         ("t5", False, 128, 1000, 1703, 0),
         ("t5", True, 128, 777, 2100, 1323),
         ("t5", False, 32, 512, 640, 0),
+        ("t5", True, 256, 600, 700, 100),
         ("alibi", True, 64, 1500, 1500, 0),
         ("alibi", False, 128, 1024, 1100, 0),
         ("none", False, 128, 999, 2049, 0),

@@ -27,7 +27,6 @@ try:
         _backward_preprocess_kernel,
         _split_combine_kernel,
         _t5_bias_by_distance_kernel,
-        _t5_near_table_gradient_kernel,
         _t5_table_gradient_kernel,
     )
 except ImportError:  # CPU-only installs: attention.py only calls in here when triton is importable
@@ -66,11 +65,6 @@ _CONFIGS = {
                  128: LaunchConfig(64, 128, 8, 2), 256: LaunchConfig(32, 64, 4, 2)},
         "dq": {16: LaunchConfig(64, 64, 4, 3), 32: LaunchConfig(64, 64, 4, 3), 64: LaunchConfig(64, 64, 4, 3),
                128: LaunchConfig(128, 64, 8, 3), 256: LaunchConfig(64, 32, 4, 2)},
-        # the near-tile table-gradient kernel uses the dkdv tiles; only its warps and stages are its own. At 128
-        # (64 x 128 tiles) 8 warps hold the gathered diagonals without spilling: 2.22 ms against 3.02 with 4 (fwd+bwd,
-        # 16 x 1024 tokens)
-        "near": {16: LaunchConfig(0, 0, 4, 3), 32: LaunchConfig(0, 0, 4, 3), 64: LaunchConfig(0, 0, 4, 3),
-                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
     "sm80": {
         "forward": {16: LaunchConfig(128, 64, 4, 3), 32: LaunchConfig(128, 64, 4, 3), 64: LaunchConfig(128, 64, 4, 3),
@@ -81,8 +75,6 @@ _CONFIGS = {
                  128: LaunchConfig(64, 64, 8, 2), 256: LaunchConfig(16, 32, 4, 1)},
         "dq": {16: LaunchConfig(64, 64, 4, 2), 32: LaunchConfig(64, 64, 4, 2), 64: LaunchConfig(128, 64, 8, 2),
                128: LaunchConfig(128, 32, 8, 2), 256: LaunchConfig(32, 32, 4, 1)},
-        "near": {16: LaunchConfig(0, 0, 4, 2), 32: LaunchConfig(0, 0, 4, 2), 64: LaunchConfig(0, 0, 8, 2),
-                 128: LaunchConfig(0, 0, 8, 2), 256: LaunchConfig(0, 0, 4, 1)},
     },
 }
 # fp32 inputs use exact ("ieee") dot products: small tiles keep them in registers and shared memory
@@ -91,8 +83,7 @@ _FP32_DECODE_CONFIG = LaunchConfig(16, 32, 4, 2)
 # under TRITON_INTERPRET=1 small tiles keep the tests' tiny shapes multi-block (and the interpreter fast)
 _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
-# Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq" | "near": LaunchConfig} wins over
-# the tables.
+# Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
 CONFIG_OVERRIDES: dict = {}
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
@@ -343,7 +334,7 @@ def _forward(
 
 
 def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The (num_buckets, heads) table gradient from the dk/dv and near-tile kernels' partial sums per relative
+    """The (num_buckets, heads) table gradient from the dk/dv kernel's partial sums per relative
     position, ``distance_grad`` being (..., heads, positions): one reduction over the partials (the whole GPU, a
     fixed order), then one program per head sums each bucket's positions."""
     num_heads, num_positions = distance_grad.shape[-2:]
@@ -387,8 +378,8 @@ def _backward(
             HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
         )
         distance_grad = dbias = None
-        if table_grad:  # rows of sums per relative position: [0] far tiles (dk/dv kernel), [1] near tiles
-            distance_grad = torch.zeros(2, problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
+        if table_grad:  # one row of sums per relative position for each program of the dk/dv kernel
+            distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
                                         dtype=torch.float32, device=device)
         if bias_grad:
             dbias = torch.zeros(
@@ -399,7 +390,7 @@ def _backward(
             "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
             "INPUT_PRECISION": _input_precision(query.dtype),
         }
-        # full query blocks only (dense inputs): the dk/dv and near-tile kernels load rows without masks
+        # full query blocks only (dense inputs): the dk/dv kernel loads rows without masks
         even_m = not problem.is_varlen and problem.seqlen_q % dkdv_config.block_m == 0
         padding_pointer = dummy if padding is None else padding
         bias_pointer = dummy if bias is None else bias
@@ -416,7 +407,7 @@ def _backward(
         dq_accumulator = torch.zeros(query.shape, dtype=torch.float32, device=device) if fused_dq else dummy
         _attention_backward_dkdv_kernel[grid](
             query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
-            dummy if distance_grad is None else distance_grad[0], dummy if dbias is None else dbias, *cu_pointers,
+            dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
             *(_token_strides(dq_accumulator, problem) if fused_dq else (0, 0, 0)),
@@ -429,19 +420,6 @@ def _backward(
             EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
             **common, **_launch_kwargs(dkdv_config, device),
         )
-        if table_grad:
-            near_config = _config("near", device, problem.head_dim, query.dtype)
-            _t5_near_table_gradient_kernel[grid](
-                query, key, value, grad_out, lse, delta, padding_pointer, bias, distance_grad[1],
-                *cu_pointers,
-                *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
-                *_token_strides(grad_out, problem), *_row_stats_strides(lse, problem),
-                0 if padding is None else padding.stride(0), bias.stride(0),
-                *shape_arguments,
-                BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,  # the dk/dv kernel's tiles: same far tiles
-                EVEN_M=even_m,
-                **common, **_launch_kwargs(near_config, device),
-            )
         if fused_dq:
             dq.copy_(dq_accumulator)
         else:

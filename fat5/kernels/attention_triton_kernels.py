@@ -13,9 +13,9 @@ Conventions shared by every kernel here:
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
   from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
-  by the dk/dv kernel); the near tiles are recomputed by ``_t5_near_table_gradient_kernel`` and summed along their
-  diagonals (equal ``rel``), the tile skewed in shared memory by ``tl.gather``, into that program's own fp32
-  row of sums per relative position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
+  by the dk/dv kernel); a near tile's score gradient is summed along its diagonals (equal ``rel``) by the same
+  kernel, the tile skewed in shared memory by ``tl.gather``, into that program's own fp32 row of sums per relative
+  position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
   buckets afterwards.
 * dq: fp32 atomics from the dk/dv kernel (as FlashAttention-2) for head_dim <= 64, else (and under
   ``torch.use_deterministic_algorithms``) its own kernel.
@@ -626,13 +626,51 @@ def _backward_tile_ds(
 
 
 @triton.jit
+def _near_tile_table_gradient(
+    ds_t, distance_row, base, left_sum, right_sum,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+):
+    """Add a near tile's score gradient to the table gradient's row of relative positions (slot = rel +
+    MAX_DISTANCE + 1; everything beyond either end goes to ``left_sum`` / ``right_sum``). ``ds_t[jl, il]`` has
+    rel = base + jl - il."""
+    # skewed[t, i] = ds_t[(i + t) % BLOCK_N, i]: one tl.gather (through shared memory) puts diagonal t (jl - il = t)
+    # in row t where i + t < BLOCK_N, and diagonal t - BLOCK_N where it wrapped; BLOCK_M <= BLOCK_N keeps that one wrap.
+    tl.static_assert(BLOCK_M <= BLOCK_N)
+    shifts = tl.arange(0, BLOCK_N)
+    unwrapped = shifts[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    wrapped = unwrapped >= BLOCK_N
+    skewed = tl.gather(ds_t, tl.where(wrapped, unwrapped - BLOCK_N, unwrapped), 0)
+    upper = tl.sum(tl.where(wrapped, 0.0, skewed), axis=1)
+    lower = tl.sum(tl.where(wrapped, skewed, 0.0), axis=1)
+    upper_slot = base + shifts + MAX_DISTANCE + 1
+    lower_slot = upper_slot - BLOCK_N
+    left_sum += tl.sum(tl.where(upper_slot <= 0, upper, 0.0) + tl.where(lower_slot <= 0, lower, 0.0), axis=0)
+    right_sum += tl.sum(tl.where(upper_slot >= 2 * MAX_DISTANCE + 2, upper, 0.0)
+                        + tl.where(lower_slot >= 2 * MAX_DISTANCE + 2, lower, 0.0), axis=0)
+    upper_inner = (upper_slot > 0) & (upper_slot < 2 * MAX_DISTANCE + 2)
+    # rows whose wrapped part is empty (t <= BLOCK_N - BLOCK_M) have nothing to add
+    lower_inner = (shifts > BLOCK_N - BLOCK_M) & (lower_slot > 0) & (lower_slot < 2 * MAX_DISTANCE + 2)
+    # The slots a tile updates are disjoint, but the next tile's overlap them through other threads: the barrier
+    # orders this tile's read-modify-writes before the next tile's.
+    tl.store(distance_row + upper_slot, tl.load(distance_row + upper_slot, mask=upper_inner, other=0.0) + upper,
+             mask=upper_inner)
+    tl.store(distance_row + lower_slot, tl.load(distance_row + lower_slot, mask=lower_inner, other=0.0) + lower,
+             mask=lower_inner)
+    tl.debug_barrier()
+    return left_sum, right_sum
+
+
+@triton.jit
 def _backward_dkdv_inner(
-    dk, dv, far_sum, k, v, keys, key_keep,
+    dk, dv, far_sum, near_left, near_right, distance_row, start_n, k, v, keys, key_keep,
     q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
     bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
     seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar,
     block_start, block_end,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
     BIAS_MODE: tl.constexpr,
@@ -641,9 +679,10 @@ def _backward_dkdv_inner(
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     EVEN_M: tl.constexpr,
-    TABLE_GRAD: tl.constexpr,
+    FAR_TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
+    NEAR_TABLE_GRAD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -664,12 +703,17 @@ def _backward_dkdv_inner(
             else:
                 tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq * scale,
                               mask=rows[:, None] < seqlen_q, sem="relaxed")
-        if TABLE_GRAD:  # a far tile: one bucket, its share of the table gradient is the tile sum
+        if FAR_TABLE_GRAD:  # a far tile: one bucket, its share of the table gradient is the tile sum
             far_sum += tl.sum(tl.sum(ds_t, axis=1), axis=0)
+        if NEAR_TABLE_GRAD:
+            near_left, near_right = _near_tile_table_gradient(
+                ds_t, distance_row, start_n - query_offset - block * BLOCK_M, near_left, near_right,
+                BLOCK_M, BLOCK_N, MAX_DISTANCE,
+            )
         if BIAS_GRAD:
             tl.store(dbias_base + rows[None, :] * stride_dbias_m + keys[:, None] * stride_dbias_n, ds_t,
                      mask=(rows[None, :] < seqlen_q) & (keys[:, None] < seqlen_k))
-    return dk, dv, far_sum
+    return dk, dv, far_sum, near_left, near_right
 
 
 @triton.jit
@@ -738,9 +782,8 @@ def _attention_backward_dkdv_kernel(
     FUSED_DQ: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """dk and dv of one key block, looping over the query blocks. For T5 it also writes the far tiles' share of
-    the table gradient (two tile sums) into the end slots of this block's row of ``DistanceGrad``; the near tiles'
-    share comes from ``_t5_near_table_gradient_kernel``."""
+    """dk and dv of one key block, looping over the query blocks. For T5 it also sums the table gradient into this
+    block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar = (
@@ -763,11 +806,13 @@ def _attention_backward_dkdv_kernel(
         start_n, seqlen_q, seqlen_k, query_offset, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
     )
 
+    distance_row = DistanceGrad + ((batch64 * tl.num_programs(0) + pid_n) * num_heads + head64) * (2 * MAX_DISTANCE + 3)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    far_left_sum = tl.zeros([], dtype=tl.float32)
-    far_right_sum = tl.zeros([], dtype=tl.float32)
-    unused_sum = tl.zeros([], dtype=tl.float32)
+    # the far tiles' sums, then the near tiles' sums of everything beyond either end of the row
+    far_left, far_right = tl.zeros([], dtype=tl.float32), tl.zeros([], dtype=tl.float32)
+    near_left, near_right = tl.zeros([], dtype=tl.float32), tl.zeros([], dtype=tl.float32)
+    unused = tl.zeros([], dtype=tl.float32)
     if POSITION == POSITION_T5:
         if CAUSAL:  # nothing lies far to the right (queries before the keys): the near blocks join the masked loop
             masked_end = far_left_start
@@ -775,45 +820,50 @@ def _attention_backward_dkdv_kernel(
             masked_end = clean_start
     else:
         masked_end = clean_start
-    dk, dv, unused_sum = _backward_dkdv_inner(
-        dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+    dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
+        dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+        stride_qm, stride_gm, lse_base, delta_base,
         bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n, dq_base, stride_dqm,
         seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, block_lo, masked_end,
-        BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M,
-        False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+        BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M,
+        False, BIAS_GRAD, FUSED_DQ, TABLE_GRAD, INPUT_PRECISION,
     )
     if POSITION == POSITION_T5:
         if not CAUSAL:
-            dk, dv, far_right_sum = _backward_dkdv_inner(
-                dk, dv, far_right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            dk, dv, far_right, unused, unused = _backward_dkdv_inner(
+                dk, dv, far_right, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+                stride_qm, stride_gm, lse_base,
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
                 tl.load(bias_base + 2 * MAX_DISTANCE + 2), clean_start, far_right_end,
-                BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
-                TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+                BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
+                TABLE_GRAD, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
             )
-            dk, dv, unused_sum = _backward_dkdv_inner(
-                dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+            dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
+                dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+                stride_qm, stride_gm, lse_base,
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end,
-                far_left_start, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
-                HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+                far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
+                HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, TABLE_GRAD, INPUT_PRECISION,
             )
-        dk, dv, far_left_sum = _backward_dkdv_inner(
-            dk, dv, far_left_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+        dk, dv, far_left, unused, unused = _backward_dkdv_inner(
+            dk, dv, far_left, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+            stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base),
             far_left_start, num_m_blocks,
-            BLOCK_M, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
-            TABLE_GRAD, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
+            TABLE_GRAD, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
         )
     else:
-        dk, dv, unused_sum = _backward_dkdv_inner(
-            dk, dv, unused_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base,
+        dk, dv, unused, unused, unused = _backward_dkdv_inner(
+            dk, dv, unused, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+            stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, clean_start,
-            num_m_blocks, BLOCK_M, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
-            False, BIAS_GRAD, FUSED_DQ, INPUT_PRECISION,
+            num_m_blocks, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
+            HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
         )
     offs_d = tl.arange(0, HEAD_DIM)
     in_keys = keys[:, None] < seqlen_k
@@ -822,130 +872,8 @@ def _attention_backward_dkdv_kernel(
     tl.store(dk_base + keys[:, None] * stride_dkn + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=in_keys)
     tl.store(dv_base + keys[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=in_keys)
     if TABLE_GRAD:
-        distance_row = DistanceGrad + ((batch64 * tl.num_programs(0) + pid_n) * num_heads + head64) * (
-            2 * MAX_DISTANCE + 3)
-        tl.store(distance_row, far_left_sum)
-        tl.store(distance_row + 2 * MAX_DISTANCE + 2, far_right_sum)
-
-
-@triton.jit
-def _near_table_gradient_inner(
-    left_sum, right_sum, k, v, keys, key_keep,
-    q_base, do_base, stride_qm, stride_dom, lse_base, delta_base, bias_base,
-    distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n,
-    block_start, block_end,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr,
-    APPLY_MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    # skewed[t, i] = ds_t[(i + t) % BLOCK_N, i]: one tl.gather (through shared memory) puts diagonal t (jl - il = t)
-    # in row t where i + t < BLOCK_N, and diagonal t - BLOCK_N where it wrapped; BLOCK_M <= BLOCK_N keeps that one wrap.
-    tl.static_assert(BLOCK_M <= BLOCK_N)
-    shifts = tl.arange(0, BLOCK_N)
-    unwrapped = shifts[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    source_rows = tl.where(unwrapped < BLOCK_N, unwrapped, unwrapped - BLOCK_N)
-    wrapped = unwrapped >= BLOCK_N
-    lower_real = shifts > BLOCK_N - BLOCK_M  # rows whose wrapped part is not empty
-    for block in range(block_start, block_end):
-        _, _, _, ds_t = _backward_tile_ds(
-            k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
-            bias_base, 0, 0, seqlen_q, seqlen_k, query_offset, qk_scale, 0.0, block,
-            BLOCK_M, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
-            INPUT_PRECISION,
-        )
-        skewed = tl.gather(ds_t, source_rows, 0)
-        upper = tl.sum(tl.where(wrapped, 0.0, skewed), axis=1)
-        lower = tl.sum(tl.where(wrapped, skewed, 0.0), axis=1)
-        # ds_t[jl, il] has rel = base + jl - il; slot = rel + MAX_DISTANCE + 1, the end slots sum everything beyond
-        upper_slot = start_n - query_offset - block * BLOCK_M + shifts + MAX_DISTANCE + 1
-        lower_slot = upper_slot - BLOCK_N
-        left_sum += tl.sum(tl.where(upper_slot <= 0, upper, 0.0) + tl.where(lower_slot <= 0, lower, 0.0), axis=0)
-        right_sum += tl.sum(tl.where(upper_slot >= 2 * MAX_DISTANCE + 2, upper, 0.0)
-                            + tl.where(lower_slot >= 2 * MAX_DISTANCE + 2, lower, 0.0), axis=0)
-        upper_inner = (upper_slot > 0) & (upper_slot < 2 * MAX_DISTANCE + 2)
-        lower_inner = lower_real & (lower_slot > 0) & (lower_slot < 2 * MAX_DISTANCE + 2)
-        # The slots a tile updates are disjoint, but the next tile's overlap them through other threads: the barrier
-        # orders this tile's read-modify-writes before the next tile's.
-        tl.store(distance_row + upper_slot, tl.load(distance_row + upper_slot, mask=upper_inner, other=0.0) + upper,
-                 mask=upper_inner)
-        tl.store(distance_row + lower_slot, tl.load(distance_row + lower_slot, mask=lower_inner, other=0.0) + lower,
-                 mask=lower_inner)
-        tl.debug_barrier()
-    return left_sum, right_sum
-
-
-@_jit_for_varying_shapes
-def _t5_near_table_gradient_kernel(
-    Q, K, V, GradOut, Lse, Delta, KeyPaddingMask, Bias, DistanceGrad, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_gb, stride_gh, stride_gm,
-    stride_lse_b, stride_lse_h,
-    stride_mask_b,
-    stride_bias_h,
-    num_heads, seqlen_q, seqlen_k, query_offset, qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """The near tiles' share of the T5 table gradient, per relative position, for one key block.
-
-    The same tiles as ``_attention_backward_dkdv_kernel`` (same block sizes), restricted to those it does not sum
-    as far tiles: the masked ones and the near ones. It recomputes their probabilities and score gradients (two
-    products per tile) so that the dk/dv kernel keeps its registers for dk and dv.
-    """
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch64, head64, q_start, seqlen_q, _, seqlen_k, start_n, keys, k, v, key_keep, _ = _key_block_setup(
-        K, V, KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
-        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mask_b, stride_bias_h,
-        num_heads, seqlen_q, seqlen_k, pid_n, pid_bh, BLOCK_N, HEAD_DIM, POSITION_T5, HAS_PADDING, IS_VARLEN,
-    )
-    if start_n >= seqlen_k:
-        return
-    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
-    do_base = GradOut + batch64 * stride_gb + head64 * stride_gh + q_start * stride_gm
-    lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
-    delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
-    bias_base = Bias + head64 * stride_bias_h
-    program = (batch64 * tl.num_programs(0) + pid_n) * num_heads + head64
-    distance_row = DistanceGrad + program * (2 * MAX_DISTANCE + 3)
-    _, block_lo, clean_start, far_right_end, far_left_start = _query_ranges(
-        start_n, seqlen_q, seqlen_k, query_offset, BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
-    )
-    left_sum = tl.zeros([], dtype=tl.float32)
-    right_sum = tl.zeros([], dtype=tl.float32)
-    if CAUSAL:  # the near blocks follow the masked ones directly (nothing lies far to the right): one loop
-        masked_end = far_left_start
-    else:
-        masked_end = clean_start
-    left_sum, right_sum = _near_table_gradient_inner(
-        left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-        bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, block_lo, masked_end,
-        BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, True, CAUSAL, HAS_PADDING, EVEN_M, INPUT_PRECISION,
-    )
-    if not CAUSAL:
-        left_sum, right_sum = _near_table_gradient_inner(
-            left_sum, right_sum, k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
-            bias_base, distance_row, seqlen_q, seqlen_k, query_offset, qk_scale, start_n, far_right_end,
-            far_left_start,
-            BLOCK_M, BLOCK_N, HEAD_DIM, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M, INPUT_PRECISION,
-        )
-    tl.store(distance_row, left_sum)
-    tl.store(distance_row + 2 * MAX_DISTANCE + 2, right_sum)
+        tl.store(distance_row, far_left + near_left)
+        tl.store(distance_row + 2 * MAX_DISTANCE + 2, far_right + near_right)
 
 
 @triton.jit
