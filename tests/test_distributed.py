@@ -178,6 +178,8 @@ differing = [
 ]
 if dist.get_rank() == 0:
     print("RESULT", loss.item(), whole(**inputs).loss.item(), ",".join(differing) or "-")
+# both ranks tear gloo down together: one rank destroying its group while the other still runs aborted it once
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -830,8 +830,8 @@ def _attention_backward_dkdv_kernel(
     )
     if POSITION == POSITION_T5:
         if not CAUSAL:
-            dk, dv, far_right, unused, unused = _backward_dkdv_inner(
-                dk, dv, far_right, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+            dk, dv, far_right, near_left, near_right = _backward_dkdv_inner(
+                dk, dv, far_right, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
                 stride_qm, stride_gm, lse_base,
                 delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale,
@@ -847,8 +847,8 @@ def _attention_backward_dkdv_kernel(
                 far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
                 HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, TABLE_GRAD, INPUT_PRECISION,
             )
-        dk, dv, far_left, unused, unused = _backward_dkdv_inner(
-            dk, dv, far_left, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+        dk, dv, far_left, near_left, near_right = _backward_dkdv_inner(
+            dk, dv, far_left, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
             stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, tl.load(bias_base),
@@ -857,8 +857,8 @@ def _attention_backward_dkdv_kernel(
             TABLE_GRAD, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
         )
     else:
-        dk, dv, unused, unused, unused = _backward_dkdv_inner(
-            dk, dv, unused, unused, unused, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
+        dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
+            dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
             stride_qm, stride_gm, lse_base,
             delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
             dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, clean_start,
