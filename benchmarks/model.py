@@ -4,6 +4,8 @@ Measures a training step (forward, backward, fused AdamW; bf16 weights), the enc
 128 tokens, and the longest encoder input that trains with batch 1. Decoder length is a quarter of the encoder's.
 
     python benchmarks/model.py --shape base --out benchmarks/results/model_base.json
+    python benchmarks/model.py --implementations fat5 --packed 4 --skip encoder generation longest \
+        --out benchmarks/results/model_base_packed.json
     python benchmarks/model.py --shape large --batches 512:32 1024:16 2048:8 4096:2 --skip encoder generation longest \
         --implementations transformers fat5 fat5-cudagraphs --out benchmarks/results/model_large.json
 """
@@ -33,6 +35,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 IMPLEMENTATIONS = ("fat5", "fat5-compiled", "fat5-cudagraphs", "transformers")
 COMPILED = ("fat5-compiled", "fat5-cudagraphs")
+PACKED = "fat5-packed"  # the eager fat5 model trained on packed rows (--packed)
 
 
 def build_models(shape: str, implementations: list[str]):
@@ -107,19 +110,48 @@ def random_batch(batch, encoder_length, decoder_length, vocab_size, seed=0):
     return input_ids, labels
 
 
+def example_segments(length: int, examples: int) -> torch.Tensor:
+    """Segment ids of a packed row of ``length`` tokens: ``examples`` equal examples, the last a quarter shorter, so
+    that the row ends in padding (0) as the UL2 collator's packed rows do."""
+    size = length // examples
+    if size < 4:
+        raise SystemExit(f"--packed {examples}: a row of {length} tokens cannot hold {examples} examples of 4+ tokens")
+    segment_ids = (torch.arange(length, device="cuda") // size + 1).clamp(max=examples)
+    segment_ids[length - size // 4:] = 0
+    return segment_ids
+
+
+def packed_batch(batch, encoder_length, decoder_length, examples, vocab_size):
+    """Model inputs of ``batch`` packed rows (``example_segments`` on both sides; labels -100 on padding), and each
+    example's (encoder, decoder) length, for the FLOP count."""
+    input_ids, labels = random_batch(batch, encoder_length, decoder_length, vocab_size)
+    segment_ids = example_segments(encoder_length, examples).expand(batch, -1).contiguous()
+    decoder_segment_ids = example_segments(decoder_length, examples).expand(batch, -1).contiguous()
+    inputs = {
+        "input_ids": input_ids.masked_fill(segment_ids == 0, 0),
+        "segment_ids": segment_ids,
+        "decoder_input_ids": labels.roll(1, dims=1).masked_fill(decoder_segment_ids == 0, 0),
+        "decoder_segment_ids": decoder_segment_ids,
+    }
+    encoder_lengths = torch.bincount(segment_ids[0], minlength=examples + 1)[1:].tolist()
+    decoder_lengths = torch.bincount(decoder_segment_ids[0], minlength=examples + 1)[1:].tolist()
+    return inputs, labels.masked_fill(decoder_segment_ids == 0, -100), list(zip(encoder_lengths, decoder_lengths)) * batch
+
+
 def release():
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
 
-def train_step_factory(model, input_ids, labels):
+def train_step_factory(model, input_ids, labels, **inputs):
+    """A training step on one batch (``inputs``: further model inputs, such as packed rows' segment ids)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step():
         # a new training step: the CUDA graphs' outputs of the previous one may be overwritten (no-op when eager)
         torch.compiler.cudagraph_mark_step_begin()
-        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        loss = model(input_ids=input_ids, labels=labels, use_cache=False, **inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -128,7 +160,9 @@ def train_step_factory(model, input_ids, labels):
     return step, optimizer
 
 
-def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=False):
+def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=False, packed_examples=0):
+    """Training steps at each encoder length. With ``packed_examples``, every row packs that many examples
+    (``packed_batch``): tokens/s then counts the real tokens, and MFU each example's own attention."""
     rows = []
     config = model.config
     for length in lengths:
@@ -139,13 +173,22 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
             model.gradient_checkpointing_enable()
         row = dict(implementation=name, encoder_length=length, batch=batch, checkpointing=checkpointing)
         try:
-            input_ids, labels = random_batch(batch, length, decoder_length, config.vocab_size)
-            step, optimizer = train_step_factory(model.train(), input_ids, labels)
+            if packed_examples:
+                inputs, labels, examples = packed_batch(batch, length, decoder_length, packed_examples,
+                                                        config.vocab_size)
+                tokens = sum(encoder + decoder for encoder, decoder in examples)
+                flops = sum(step_flops(model, config, 1, encoder, decoder) for encoder, decoder in examples)
+                row.update(examples_per_row=packed_examples, padding_fraction=round(1 - tokens / (
+                    batch * (length + decoder_length)), 4))
+            else:
+                input_ids, labels = random_batch(batch, length, decoder_length, config.vocab_size)
+                inputs = {"input_ids": input_ids}
+                tokens = batch * (length + decoder_length)
+                flops = step_flops(model, config, batch, length, decoder_length)
+            step, optimizer = train_step_factory(model.train(), labels=labels, **inputs)
             # the same weights and batch on every implementation: a wrong model shows here before its speed counts
             first_loss = step().float().item()
             milliseconds = time_ms(step, warmup=1, repeats=5)
-            tokens = batch * (length + decoder_length)
-            flops = step_flops(model, config, batch, length, decoder_length)
             row.update(
                 step_ms=round(milliseconds, 2),
                 tokens_per_second=round(tokens / milliseconds * 1e3),
@@ -312,11 +355,11 @@ def plot(document, path):
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in IMPLEMENTATIONS:
+    for index, name in enumerate((*IMPLEMENTATIONS, PACKED)):
         rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
         if not rows:
             continue
-        style = {"marker": "o", "label": name, "color": f"C{IMPLEMENTATIONS.index(name)}"}  # one colour per model
+        style = {"marker": "o", "label": name, "color": f"C{index}"}  # one colour per model
         left.plot([r["encoder_length"] for r in rows], [r["tokens_per_second"] for r in rows], **style)
         right.plot([r["encoder_length"] for r in rows], [r["peak_gib"] for r in rows], **style)
     for axis, label in ((left, "training tokens/s"), (right, "peak GiB")):
@@ -342,6 +385,9 @@ def main(argv=None):
                         help="also profile training steps at these encoder lengths (kernel table beside --out)")
     parser.add_argument("--batches", nargs="+", default=[], metavar="LENGTH:BATCH",
                         help=f"training/encoder batch per encoder length, over the defaults {DEFAULT_BATCHES}")
+    parser.add_argument("--packed", type=int, default=0, metavar="EXAMPLES",
+                        help="also train the eager fat5 model on rows packing this many examples each (segment_ids, "
+                             "as `fat5 pretrain` does), reported as fat5-packed")
     parser.add_argument("--out", default="benchmarks/results/model.json")
     args = parser.parse_args(argv)
     batches = dict(DEFAULT_BATCHES)
@@ -350,6 +396,8 @@ def main(argv=None):
         if not (length.isdigit() and batch.isdigit()):
             parser.error(f"--batches takes LENGTH:BATCH pairs such as 1024:16, got {pair!r}")
         batches[int(length)] = int(batch)
+    if args.packed < 0 or (args.packed and "fat5" not in args.implementations):
+        parser.error("--packed takes a positive number of examples per row and needs the fat5 implementation")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/model.py needs a CUDA GPU")
 
@@ -362,6 +410,9 @@ def main(argv=None):
     if "training" not in args.skip:
         results["training"] = [row for name, model in models.items()
                                for row in measure_training(name, model, args.lengths, batches, peak)]
+        if args.packed:
+            results["training"] += measure_training(PACKED, models["fat5"], args.lengths, batches, peak,
+                                                    packed_examples=args.packed)
     for length in args.profile:
         for name, model in models.items():
             profile_training(name, model, length, batches.get(length, 1), args.out.replace(".json", "_profile.txt"))
