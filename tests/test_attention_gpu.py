@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fat5.kernels import attention_triton
 from fat5.kernels.attention import attention, attention_varlen
 from fat5.kernels.attention_triton import t5_relative_buckets
 from fat5.kernels.position_bias import alibi_slopes, t5_relative_bucket
@@ -80,6 +81,31 @@ def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, qu
         )
 
     check_against_reference(run, [query, key, value, *position])
+
+
+@pytest.mark.parametrize("architecture", ["sm80", "sm90"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_architectures_tiles_against_the_fp32_reference(monkeypatch, architecture, head_dim, causal):
+    """Each architecture's launch-config table (tile shapes, warps, stages) run on this GPU: the Ampere tables are
+    otherwise never executed here. It proves the tiles' logic, not that they fit an A100's shared memory."""
+    monkeypatch.setattr(attention_triton, "_architecture", lambda device_index: architecture)
+    torch.manual_seed(2)
+    batch, heads = 2, 3
+    query_length, key_length, query_offset = (300, 1100, 800) if causal else (1000, 1100, 0)
+    std = head_dim**-0.25
+    query = leaf(batch, heads, query_length, head_dim, std=std)
+    key = leaf(batch, heads, key_length, head_dim, std=std)
+    value = leaf(batch, heads, key_length, head_dim)
+    mask = torch.rand(batch, key_length, device="cuda") > 0.1
+    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+
+    def run(backend, q, k, v, position_table):
+        return attention(q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
+                         position_encoding="t5", bidirectional=not causal, relative_attention_bias=position_table,
+                         backend=backend)
+
+    check_against_reference(run, [query, key, value, table])
 
 
 @pytest.mark.parametrize("causal", [False, True])
