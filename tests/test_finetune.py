@@ -372,6 +372,22 @@ def test_gradient_accumulation_is_exact_for_seq2seq(lora, tiny_model, tmp_path, 
     assert_same_step(config)
 
 
+def test_torch_compile_in_the_training_section_takes_the_eager_step(tiny_model, tmp_path, four_rows):
+    """``training: {torch_compile: true}`` (what the README suggests on a GPU, there with mode reduce-overhead): the
+    Trainer compiles the model, and the compiled step is the eager one."""
+    config = seq2seq_config(tiny_model, tmp_path, validation=False)
+    config["data"]["train_file"] = str(four_rows)
+    loss_eager, update_eager = one_sgd_step(config, batch_size=4, accumulation=1)
+    config["training"]["torch_compile"] = True
+    torch._dynamo.reset()
+    loss_compiled, update_compiled = one_sgd_step(config, batch_size=4, accumulation=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
+    assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
+    for name, update in update_eager.items():
+        error = ((update_compiled[name] - update).norm() / update.norm()).item()
+        assert error < 1e-4, f"{name}: compiled and eager updates differ by {error:.2e}"
+
+
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
 def test_gradient_accumulation_is_exact_for_encoder_heads(task, tiny_model, tmp_path, four_rows):
     config = head_config(task, tiny_model, tmp_path)
