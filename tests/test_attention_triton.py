@@ -270,14 +270,15 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     monkeypatch.setattr(attention_triton, "_split_combine_kernel", spy)
     monkeypatch.setattr(attention_triton, "_multiprocessors", lambda device: 16)
     torch.manual_seed(3)
-    batch, heads, cache, head_dim = 1, 2, 150, 32
+    # long enough to split with the GPU's 64-key decoding tiles too (150 keys made 3 blocks there: no split)
+    batch, heads, cache, head_dim = 1, 2, 600, 32
     query = make_leaf(batch, heads, query_length, head_dim, dtype=dtype)
     key, value = make_leaf(batch, heads, cache, head_dim, dtype=dtype), make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     table = torch.randn(32, heads, device=DEVICE, requires_grad=True)
     mask = torch.ones(batch, cache, dtype=torch.bool, device=DEVICE)
-    mask[:, 20:90] = False  # whole splits see only padding
+    mask[:, 40:300] = False  # whole splits see only padding
     options = {"causal": True, "query_offset": cache - query_length, "key_padding_mask": mask, "bidirectional": False,
-                   "num_buckets": 32, "max_distance": 20}
+                   "num_buckets": 32, "max_distance": 128}
 
     def kernel(q, k, v, t):
         return attention(q, k, v, position_encoding="t5", relative_attention_bias=t, backend="triton", **options)
