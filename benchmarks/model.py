@@ -112,10 +112,8 @@ def random_batch(batch, encoder_length, decoder_length, vocab_size, seed=0):
 
 def example_segments(length: int, examples: int) -> torch.Tensor:
     """Segment ids of a packed row of ``length`` tokens: ``examples`` equal examples, the last a quarter shorter, so
-    that the row ends in padding (0) as the UL2 collator's packed rows do."""
+    that the row ends in padding (0) as the UL2 collator's packed rows do (``main`` checks that each has 4+ tokens)."""
     size = length // examples
-    if size < 4:
-        raise SystemExit(f"--packed {examples}: a row of {length} tokens cannot hold {examples} examples of 4+ tokens")
     segment_ids = (torch.arange(length, device="cuda") // size + 1).clamp(max=examples)
     segment_ids[length - size // 4:] = 0
     return segment_ids
@@ -396,8 +394,13 @@ def main(argv=None):
         if not (length.isdigit() and batch.isdigit()):
             parser.error(f"--batches takes LENGTH:BATCH pairs such as 1024:16, got {pair!r}")
         batches[int(length)] = int(batch)
-    if args.packed < 0 or (args.packed and "fat5" not in args.implementations):
-        parser.error("--packed takes a positive number of examples per row and needs the fat5 implementation")
+    if args.packed < 0 or (args.packed and ("fat5" not in args.implementations or "training" in args.skip)):
+        parser.error("--packed takes a positive number of examples per row and needs the fat5 implementation and "
+                     "the training measurement")
+    for length in args.lengths if args.packed else ():
+        if max(length // 4, 1) // args.packed < 4:
+            parser.error(f"--packed {args.packed}: the decoder rows of encoder length {length} ({max(length // 4, 1)} "
+                         "tokens) cannot hold that many examples of 4 or more tokens")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/model.py needs a CUDA GPU")
 

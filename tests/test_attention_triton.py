@@ -141,7 +141,8 @@ def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, ca
     query, key, value = (make_leaf(batch, heads, n, head_dim) for n in (query_length, key_length, key_length))
     table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
     mask = torch.rand(batch, key_length, device=DEVICE) > 0.2
-    options = {"causal": causal, "key_padding_mask": mask, "query_offset": 3, "num_buckets": 8, "max_distance": 20}
+    # max_distance 8: some tiles lie wholly beyond it (far), the others are near or masked
+    options = {"causal": causal, "key_padding_mask": mask, "query_offset": 3, "num_buckets": 8, "max_distance": 8}
 
     def kernel(q, k, v, position_table):
         return attention(q, k, v, position_encoding="t5", relative_attention_bias=position_table, backend="triton",

@@ -36,7 +36,7 @@ _NAMESPACE = op_namespace(__name__)
 _POSITION_CODES = {"none": 0, "t5": 1, "alibi": 2, "bias": 3}
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
-_MAX_T5_DISTANCE = 2048  # the backward keeps one fp32 accumulator slot per relative position in registers
+_MAX_T5_DISTANCE = 2048  # the table-gradient kernel holds a head's 2 * max_distance + 3 sums in one program
 
 
 @dataclass(frozen=True)
