@@ -1,7 +1,9 @@
 """RMSNorm (T5LayerNorm semantics), forward and forward+backward: FAT5's Triton kernels against torch eager and Liger.
 
 32768 tokens, bf16 activations and weight, in one process on one GPU. Each variant is first checked against the
-fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before every repetition). The
+fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before every repetition), and the
+forward+backward also replayed from a CUDA graph with the same flush (``cold_graph_ms``): the speedup over Liger is
+claimed on that device time, the eager forward+backward being the host's time (see ``cold_graph_ms``). The
 bandwidth floor is the bytes that must move (forward: read x, write y; forward+backward: that plus read x and dy,
 write dx) over the measured device-to-device copy rate. ``--sweep`` also times both kernels over their launch
 configs.
@@ -96,13 +98,45 @@ def timings(fn, x, w, grad_output) -> dict:
             forward_backward, grad_to_none=[leaf_x, leaf_w], return_mode="median"
         ),
     }
-    try:  # the same without launch overhead (CUDA graph replay; no L2 flush, so a lower bound)
-        result["forward_backward_cudagraph_ms"] = triton.testing.do_bench_cudagraph(
-            forward_backward, grad_to_none=[leaf_x, leaf_w], return_mode="median"
-        )
+    try:
+        result["forward_backward_cudagraph_ms"] = cold_graph_ms(forward_backward, [leaf_x, leaf_w])
     except Exception as error:  # noqa: BLE001 - graph capture of a backward may fail; the eager figure stands
         result["cudagraph_error"] = str(error)[:200]
     return result
+
+
+def cold_graph_ms(function, leaves, repeats=100) -> float:
+    """Median device time of ``function`` replayed from a CUDA graph, L2 flushed before each replay as do_bench does.
+
+    The eager forward+backward of a norm is two kernels of 30-130 µs behind a ``backward()`` call whose hand-off to
+    the autograd engine's device thread takes the host 0.2-0.6 ms, and that wait, not the kernels, sets the eager
+    figure (the same code measured 0.23-0.63 ms at d 512-1024 over four runs on one H100). The replay keeps only
+    what the GPU does, for FAT5 and Liger alike.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (autograd allocates its buffers here)
+        for _ in range(3):
+            for leaf in leaves:
+                leaf.grad = None
+            function()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    for leaf in leaves:
+        leaf.grad = None
+    return sorted(start.elapsed_time(end) for start, end in events)[repeats // 2]
 
 
 def sweep(x, w, grad_output) -> dict:
@@ -204,9 +238,16 @@ def run(args) -> dict:
         targets[f"d{entry['width']}_forward_over_floor"] = ours["forward_ms"] / entry["forward_floor_ms"]
         targets[f"d{entry['width']}_met_forward"] = ours["forward_ms"] / entry["forward_floor_ms"] <= TARGET_FORWARD_OVER_FLOOR
         if "liger" in entry["variants"] and entry["width"] <= 1024:
-            speedup = entry["variants"]["liger"]["forward_backward_ms"] / ours["forward_backward_ms"]
+            liger = entry["variants"]["liger"]
+            # the claim is on the GPU's time (cold_graph_ms); the eager ratio, host-bound, is kept beside it
+            speedup = liger.get("forward_backward_cudagraph_ms", float("nan")) / ours.get(
+                "forward_backward_cudagraph_ms", float("nan")
+            )
             targets[f"d{entry['width']}_forward_backward_speedup_vs_liger"] = speedup
             targets[f"d{entry['width']}_met_speedup"] = speedup >= TARGET_SPEEDUP_VS_LIGER
+            targets[f"d{entry['width']}_eager_forward_backward_speedup_vs_liger"] = (
+                liger["forward_backward_ms"] / ours["forward_backward_ms"]
+            )
     print(json.dumps(targets, indent=2))
     return write_result(args.out, results, copy_bandwidth_gbs=bandwidth, eps=EPS, dtype="bfloat16", targets=targets)
 
@@ -223,12 +264,12 @@ def plot(document: dict, path: str) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(12, 4))
     for axis, key, floor_key, title in (
         (axes[0], "forward_ms", "forward_floor_ms", "forward"),
-        (axes[1], "forward_backward_ms", "forward_backward_floor_ms", "forward+backward"),
+        (axes[1], "forward_backward_cudagraph_ms", "forward_backward_floor_ms", "forward+backward (CUDA graph)"),
     ):
         step = 0.8 / len(names)
         for index, name in enumerate(names):
             positions = [i + index * step for i in range(len(widths))]
-            values = [entry["variants"][name][key] for entry in results]
+            values = [entry["variants"][name].get(key, float("nan")) for entry in results]
             axis.bar(positions, values, width=step, label=name)
         axis.scatter([i + 0.4 - step / 2 for i in range(len(widths))], [entry[floor_key] for entry in results],
                      marker="_", s=600, color="red", label="bandwidth floor", zorder=3)
@@ -258,12 +299,13 @@ def main():
     rows = [
         {"d": entry["width"], "variant": name, "fwd ms": f"{v['forward_ms']:.4f}",
          "fwd+bwd ms": f"{v['forward_backward_ms']:.4f}",
-         "graph fwd+bwd": f"{v.get('forward_backward_cudagraph_ms', float('nan')):.4f}",
+         "graph fwd+bwd (cold L2)": f"{v.get('forward_backward_cudagraph_ms', float('nan')):.4f}",
          "floor fwd / fwd+bwd": f"{entry['forward_floor_ms']:.4f} / {entry['forward_backward_floor_ms']:.4f}",
          "dx err": f"{v['grad_input_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    print(markdown_table(rows, ["d", "variant", "fwd ms", "fwd+bwd ms", "graph fwd+bwd", "floor fwd / fwd+bwd", "dx err"]))
+    print(markdown_table(rows, ["d", "variant", "fwd ms", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
+                                 "dx err"]))
     try:
         plot(document, args.out.replace(".json", ".png"))
     except ImportError as error:

@@ -5,8 +5,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fat5.kernels.launch import CachedLauncher, _ArgumentLayout
+from fat5.kernels.launch import CachedLauncher, _ArgumentLayout, cdiv, next_power_of_2
 
 
 @CachedLauncher
@@ -56,6 +58,13 @@ def test_specialisation_groups_integers_as_triton_does():
     # the fast key still tells values apart; an unspecialised integer counts by width in both keys
     assert layout.key((16, 5)) != layout.key((48, 5))
     assert layout.specialisation((16, 5)) == layout.specialisation((16, 900))
+
+
+@given(st.integers(0, 2**40), st.integers(1, 2**20))
+def test_host_arithmetic_equals_tritons(value, divisor):
+    """The launchers' own cdiv and next_power_of_2 (Triton's cost microseconds a call) give Triton's results."""
+    assert cdiv(value, divisor) == triton.cdiv(value, divisor)
+    assert next_power_of_2(value) == triton.next_power_of_2(value)
 
 
 def test_key_refuses_arguments_it_cannot_describe():

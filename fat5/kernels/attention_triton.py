@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import op_namespace
-from .launch import device_guard
+from .launch import cdiv, device_guard, multiprocessors, next_power_of_2
 
 try:
     import triton
@@ -112,14 +112,7 @@ def _architecture(device_index) -> str:
 
 
 def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _multiprocessor_count(device.index)
-
-
-@functools.cache
-def _multiprocessor_count(device_index) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return multiprocessors(device, interpreter_count=4)
 
 
 def _launch_kwargs(config: LaunchConfig, device: torch.device) -> dict:
@@ -179,9 +172,9 @@ def t5_relative_buckets(
     buckets = torch.empty(count, dtype=torch.int32, device=device)
     num_heads = 1 if table is None else table.shape[1]
     bias = None if table is None else torch.empty(num_heads, count, dtype=torch.float32, device=device)
-    block = min(1024, triton.next_power_of_2(max(count, 16)))
+    block = min(1024, next_power_of_2(max(count, 16)))
     with device_guard(device):
-        _t5_bias_by_distance_kernel[(triton.cdiv(count, block), num_heads)](
+        _t5_bias_by_distance_kernel[(cdiv(count, block), num_heads)](
             buckets if table is None else table,
             buckets if bias is None else bias,
             buckets,
@@ -279,15 +272,15 @@ def _forward(
         return out, lse
     decoding = problem.seqlen_q <= 16
     config = _config("decode" if decoding else "forward", device, problem.head_dim, query.dtype)
-    num_m_blocks = triton.cdiv(problem.seqlen_q, config.block_m)
-    num_n_blocks = triton.cdiv(max(problem.seqlen_k, 1), config.block_n)
+    num_m_blocks = cdiv(problem.seqlen_q, config.block_m)
+    num_n_blocks = cdiv(max(problem.seqlen_k, 1), config.block_n)
     programs = num_m_blocks * problem.batch * problem.num_heads
     num_splits = 1
     if num_m_blocks == 1 and programs < _multiprocessors(device):
         # flash-decoding: few queries against a long cache would leave most of the GPU idle; split the keys
         num_splits = max(1, min(3 * _multiprocessors(device) // programs, num_n_blocks // 2))
-    blocks_per_split = triton.cdiv(num_n_blocks, num_splits)
-    num_splits = triton.cdiv(num_n_blocks, blocks_per_split)
+    blocks_per_split = cdiv(num_n_blocks, num_splits)
+    num_splits = cdiv(num_n_blocks, blocks_per_split)
     is_split = num_splits > 1
 
     with device_guard(device):
@@ -343,7 +336,7 @@ def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table
     with device_guard(table.device):
         _t5_table_gradient_kernel[(num_heads,)](
             grad_by_distance, buckets, table_grad, table_grad.stride(0), table_grad.stride(1),
-            num_positions, table.shape[0], BLOCK=triton.next_power_of_2(num_positions),
+            num_positions, table.shape[0], BLOCK=next_power_of_2(num_positions),
         )
     return table_grad
 
@@ -362,7 +355,7 @@ def _backward(
         grad_out = grad_out.contiguous()
     dkdv_config = _config("dkdv", device, problem.head_dim, query.dtype)
     dq_config = _config("dq", device, problem.head_dim, query.dtype)
-    num_n_blocks = triton.cdiv(problem.seqlen_k, dkdv_config.block_n)
+    num_n_blocks = cdiv(problem.seqlen_k, dkdv_config.block_n)
     with device_guard(device):
         bias, bias_strides, max_distance_arg, buckets = _position_arguments(
             position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
@@ -371,7 +364,7 @@ def _backward(
         dummy = lse
         delta = torch.empty_like(lse)
         preprocess_block = 64 if device.type == "cuda" else 16
-        _backward_preprocess_kernel[(triton.cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
+        _backward_preprocess_kernel[(cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
             out, grad_out, delta, dummy if cu_seqlens_q is None else cu_seqlens_q,
             *_token_strides(out, problem), *_token_strides(grad_out, problem), *_row_stats_strides(delta, problem),
             problem.num_heads, problem.seqlen_q,
@@ -423,7 +416,7 @@ def _backward(
         if fused_dq:
             dq.copy_(dq_accumulator)
         else:
-            _attention_backward_dq_kernel[(triton.cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
+            _attention_backward_dq_kernel[(cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
                 query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
                 *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
                 *_token_strides(grad_out, problem), *_token_strides(dq, problem),

@@ -19,7 +19,7 @@ except ImportError as error:  # cross_entropy.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher
+from .launch import CachedLauncher, cdiv, multiprocessors, next_power_of_2
 
 
 @CachedLauncher
@@ -153,16 +153,15 @@ def _cross_entropy_rescale_grad_kernel(
 def forward_config(vocab_size: int) -> dict:
     """Launch parameters of the forward at this vocabulary size."""
     if vocab_size <= 65536:
-        block_size = min(16384, triton.next_power_of_2(vocab_size))
+        block_size = min(16384, next_power_of_2(vocab_size))
         num_warps = 16 if block_size >= 16384 else 8 if block_size >= 4096 else 4
         return {"block_size": block_size, "num_warps": num_warps, "programs_per_sm": None, "eviction": True}
     return {"block_size": 32768, "num_warps": 16, "programs_per_sm": 2, "eviction": True}
 
 
 def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter on CPU: a grid smaller than the rows still exercises the row loop
+    # 2 on the interpreter: a grid smaller than the rows still exercises the row loop
+    return multiprocessors(device, interpreter_count=2)
 
 
 def cross_entropy_forward(logits, labels, normaliser, grad_logits, ignore_index, label_smoothing, z_loss, **config):
@@ -188,7 +187,7 @@ def cross_entropy_forward(logits, labels, normaliser, grad_logits, ignore_index,
             per_row_losses[0], per_row_losses[1], log_sum_exp,
             n_rows, vocab_size, ignore_index, label_smoothing, z_loss,
             COMPUTE_GRAD=compute_grad, LABEL_SMOOTHING=label_smoothing > 0.0,
-            BLOCK_SIZE=config["block_size"], NUM_BLOCKS=triton.cdiv(vocab_size, config["block_size"]),
+            BLOCK_SIZE=config["block_size"], NUM_BLOCKS=cdiv(vocab_size, config["block_size"]),
             FIRST_PASS_EVICTION="evict_last" if config["eviction"] else "",
             SECOND_PASS_EVICTION="evict_first" if config["eviction"] else "",
             num_warps=config["num_warps"],
@@ -203,10 +202,10 @@ def cross_entropy_rescale_grad(
     n_rows, vocab_size = grad_logits.shape
     if n_rows == 0:
         return
-    block_size = min(8192, triton.next_power_of_2(vocab_size))
+    block_size = min(8192, next_power_of_2(vocab_size))
     _cross_entropy_rescale_grad_kernel[(n_rows,)](
         grad_logits, grad_logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
         vocab_size, ignore_index, label_smoothing, z_loss,
-        BLOCK_SIZE=block_size, NUM_BLOCKS=triton.cdiv(vocab_size, block_size),
+        BLOCK_SIZE=block_size, NUM_BLOCKS=cdiv(vocab_size, block_size),
         num_warps=8 if block_size >= 4096 else 4,
     )

@@ -14,12 +14,14 @@ so reusing it is exact. The fast key, looked up first, holds the integers' value
 Python loop over them); a miss maps the call to its specialisation, so a new length does not launch the slow way.
 Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch runs. Triton's launch hooks
 (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached path; set
-``FAT5_PLAIN_TRITON_LAUNCH=1`` to launch every kernel the plain way.
+``FAT5_PLAIN_TRITON_LAUNCH=1`` (before importing fat5, as Triton reads ``TRITON_INTERPRET``) to launch every
+kernel the plain way.
 
 The launcher keys on the current CUDA device and launches on its current stream: launch under ``device_guard``.
 """
 
 import contextlib
+import functools
 import operator
 import os
 
@@ -33,6 +35,29 @@ _INT64 = range(-(2**63), 2**63)
 def device_guard(device: torch.device):
     """Make ``device`` the current CUDA device for the launches inside (nothing on the CPU interpreter)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# Host-side arithmetic of the launchers. Triton's own ``triton.cdiv`` and ``triton.next_power_of_2`` are
+# ``ConstexprFunction`` objects since Triton 3.5: about 2 µs a call from Python, against tens of nanoseconds here, and
+# an eager training step computes some thousand grids and block sizes.
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def next_power_of_2(value: int) -> int:
+    return 1 << (value - 1).bit_length() if value > 0 else 0
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessors(device: torch.device, interpreter_count: int) -> int:
+    """The GPU's multiprocessor count (cached per device), or ``interpreter_count`` on the CPU interpreter."""
+    if device.type != "cuda":
+        return interpreter_count
+    return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _plain_launch_only() -> bool:
@@ -102,6 +127,8 @@ class CachedLauncher:
         self.specialisations = {}  # specialisation key -> compiled kernel
         self.layouts = {}
         self.runtime_names = None  # read from the JITFunction at the first compiled-path launch
+        # read once: two environment lookups per launch cost a millisecond of an eager training step's host time
+        self.plain_launch_only = _plain_launch_only()
 
     def _read_signature(self):
         params = self.kernel.params
@@ -118,7 +145,7 @@ class CachedLauncher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        if _plain_launch_only():
+        if self.plain_launch_only:
             return self.kernel[grid](*args, **kwargs)
         if self.runtime_names is None:
             self._read_signature()

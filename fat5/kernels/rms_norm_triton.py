@@ -14,7 +14,7 @@ except ImportError as error:  # rms_norm.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher
+from .launch import CachedLauncher, cdiv, multiprocessors, next_power_of_2
 
 # One program keeps (rows x padded width) fp32 values in registers; wider rows would spill.
 MAX_WIDTH = 65536
@@ -103,7 +103,7 @@ def _cast_to_weight_dtype(weight: torch.Tensor) -> bool:
 # to 4 rows of at most 4k elements per step, 4 warps, 8 programs per multiprocessor each reducing a slab of rows.
 def forward_config(n_cols: int) -> tuple[int, int]:
     """(rows per program, num_warps) for the forward at this width."""
-    block_cols = triton.next_power_of_2(n_cols)
+    block_cols = next_power_of_2(n_cols)
     rows_per_program = max(1, min(16, 4096 // block_cols))
     elements = rows_per_program * block_cols
     num_warps = 4 if elements <= 4096 else 8 if elements <= 8192 else 16
@@ -112,7 +112,7 @@ def forward_config(n_cols: int) -> tuple[int, int]:
 
 def backward_config(n_cols: int) -> tuple[int, int, int]:
     """(rows per step, num_warps, programs per multiprocessor) for the backward at this width."""
-    block_cols = triton.next_power_of_2(n_cols)
+    block_cols = next_power_of_2(n_cols)
     rows_per_step = max(1, min(4, 4096 // block_cols))
     elements = rows_per_step * block_cols
     num_warps = 4 if elements <= 4096 else 8 if elements <= 8192 else 16
@@ -120,9 +120,7 @@ def backward_config(n_cols: int) -> tuple[int, int, int]:
 
 
 def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return multiprocessors(device, interpreter_count=1)
 
 
 def rms_norm_forward(rows, weight, output, inverse_rms, eps, rows_per_program=None, num_warps=None):
@@ -132,11 +130,11 @@ def rms_norm_forward(rows, weight, output, inverse_rms, eps, rows_per_program=No
         return
     default_rows, default_warps = forward_config(n_cols)
     rows_per_program = rows_per_program or default_rows
-    _rms_norm_forward_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+    _rms_norm_forward_kernel[(cdiv(n_rows, rows_per_program),)](
         rows, rows.stride(0), weight, output, output.stride(0), inverse_rms,
         n_rows, n_cols, eps,
         CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
-        BLOCK_COLS=triton.next_power_of_2(n_cols),
+        BLOCK_COLS=next_power_of_2(n_cols),
         ROWS_PER_PROGRAM=rows_per_program,
         num_warps=num_warps or default_warps,
     )
@@ -153,16 +151,16 @@ def rms_norm_backward(
     rows_per_step = rows_per_step or default_rows
     # At least 4 programs on the CPU interpreter, so that tests cover the partial-sum reduction.
     program_budget = max(4, (programs_per_sm or default_programs) * _multiprocessors(rows.device))
-    programs = max(1, min(triton.cdiv(n_rows, rows_per_step), program_budget))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), rows_per_step) * rows_per_step
-    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    programs = max(1, min(cdiv(n_rows, rows_per_step), program_budget))
+    rows_per_program = cdiv(cdiv(n_rows, programs), rows_per_step) * rows_per_step
+    programs = max(1, cdiv(n_rows, rows_per_program))
     partial_grad_weight = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
     _rms_norm_backward_kernel[(programs,)](
         grad_rows, grad_rows.stride(0), rows, rows.stride(0), weight, inverse_rms,
         grad_input, grad_input.stride(0), partial_grad_weight,
         n_rows, n_cols, rows_per_program,
         CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
-        BLOCK_COLS=triton.next_power_of_2(n_cols),
+        BLOCK_COLS=next_power_of_2(n_cols),
         ROWS_PER_STEP=rows_per_step,
         num_warps=num_warps or default_warps,
     )

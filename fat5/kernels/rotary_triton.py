@@ -14,7 +14,7 @@ except ImportError as error:  # rotary.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher, device_guard
+from .launch import CachedLauncher, cdiv, device_guard, next_power_of_2
 
 _BLOCK_ROWS = 32
 
@@ -61,14 +61,14 @@ def rotate(states: torch.Tensor, position_ids: torch.Tensor, inverse_frequency: 
     if output.numel() == 0:
         return output
     half_dim = head_dim // 2
-    grid = (triton.cdiv(length, _BLOCK_ROWS), batch * num_heads)
+    grid = (cdiv(length, _BLOCK_ROWS), batch * num_heads)
     with device_guard(states.device):
         _rotary_kernel[grid](
             states, output, position_ids, inverse_frequency,
             states.stride(0), states.stride(1), states.stride(2), output.stride(0), output.stride(1),
             output.stride(2), position_ids.stride(0), position_ids.stride(1),
             num_heads, length,
-            HALF_DIM=half_dim, BLOCK_HALF=triton.next_power_of_2(half_dim), BLOCK_ROWS=_BLOCK_ROWS, INVERSE=inverse,
+            HALF_DIM=half_dim, BLOCK_HALF=next_power_of_2(half_dim), BLOCK_ROWS=_BLOCK_ROWS, INVERSE=inverse,
             num_warps=4,
         )
     return output
