@@ -2,8 +2,9 @@
 
 32768 tokens, bf16 activations and weight, in one process on one GPU. Each variant is first checked against the
 fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before every repetition), and the
-forward+backward also replayed from a CUDA graph with the same flush (``cold_graph_ms``): the speedup over Liger is
-claimed on that device time, the eager forward+backward being the host's time (see ``cold_graph_ms``). The
+forward and the forward+backward also replayed from a CUDA graph with the same flush (``cold_graph_ms``): the
+targets are claimed on that device time, the eager figures of these short kernels being the host's (see
+``cold_graph_ms``). The
 bandwidth floor is the bytes that must move (forward: read x, write y; forward+backward: that plus read x and dy,
 write dx) over the measured device-to-device copy rate. ``--sweep`` also times both kernels over their launch
 configs.
@@ -99,6 +100,7 @@ def timings(fn, x, w, grad_output) -> dict:
         ),
     }
     try:
+        result["forward_cudagraph_ms"] = cold_graph_ms(forward, [])
         result["forward_backward_cudagraph_ms"] = cold_graph_ms(forward_backward, [leaf_x, leaf_w])
     except Exception as error:  # noqa: BLE001 - graph capture of a backward may fail; the eager figure stands
         result["cudagraph_error"] = str(error)[:200]
@@ -110,8 +112,9 @@ def cold_graph_ms(function, leaves, repeats=100) -> float:
 
     The eager forward+backward of a norm is two kernels of 30-130 µs behind a ``backward()`` call whose hand-off to
     the autograd engine's device thread takes the host 0.2-0.6 ms, and that wait, not the kernels, sets the eager
-    figure (the same code measured 0.23-0.63 ms at d 512-1024 over four runs on one H100). The replay keeps only
-    what the GPU does, for FAT5 and Liger alike.
+    figure (the same code measured 0.23-0.63 ms at d 512-1024 over four runs on one H100); a 25 µs forward at d 512
+    also moves with the host (1.27x and 1.63x the floor in two runs). The replay keeps only what the GPU does, for
+    FAT5 and Liger alike.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -235,11 +238,13 @@ def run(args) -> dict:
     targets = {}
     for entry in results:
         ours = entry["variants"]["fat5"]
-        targets[f"d{entry['width']}_forward_over_floor"] = ours["forward_ms"] / entry["forward_floor_ms"]
-        targets[f"d{entry['width']}_met_forward"] = ours["forward_ms"] / entry["forward_floor_ms"] <= TARGET_FORWARD_OVER_FLOOR
+        # device time (cold_graph_ms) for the claims; the eager ratios, host-bound at these sizes, beside them
+        over_floor = ours.get("forward_cudagraph_ms", float("nan")) / entry["forward_floor_ms"]
+        targets[f"d{entry['width']}_forward_over_floor"] = over_floor
+        targets[f"d{entry['width']}_met_forward"] = over_floor <= TARGET_FORWARD_OVER_FLOOR
+        targets[f"d{entry['width']}_eager_forward_over_floor"] = ours["forward_ms"] / entry["forward_floor_ms"]
         if "liger" in entry["variants"] and entry["width"] <= 1024:
             liger = entry["variants"]["liger"]
-            # the claim is on the GPU's time (cold_graph_ms); the eager ratio, host-bound, is kept beside it
             speedup = liger.get("forward_backward_cudagraph_ms", float("nan")) / ours.get(
                 "forward_backward_cudagraph_ms", float("nan")
             )
@@ -263,7 +268,7 @@ def plot(document: dict, path: str) -> None:
     names = list(results[0]["variants"])
     figure, axes = plt.subplots(1, 2, figsize=(12, 4))
     for axis, key, floor_key, title in (
-        (axes[0], "forward_ms", "forward_floor_ms", "forward"),
+        (axes[0], "forward_cudagraph_ms", "forward_floor_ms", "forward (CUDA graph)"),
         (axes[1], "forward_backward_cudagraph_ms", "forward_backward_floor_ms", "forward+backward (CUDA graph)"),
     ):
         step = 0.8 / len(names)
@@ -298,13 +303,14 @@ def main():
     document = run(args)
     rows = [
         {"d": entry["width"], "variant": name, "fwd ms": f"{v['forward_ms']:.4f}",
+         "graph fwd": f"{v.get('forward_cudagraph_ms', float('nan')):.4f}",
          "fwd+bwd ms": f"{v['forward_backward_ms']:.4f}",
          "graph fwd+bwd (cold L2)": f"{v.get('forward_backward_cudagraph_ms', float('nan')):.4f}",
          "floor fwd / fwd+bwd": f"{entry['forward_floor_ms']:.4f} / {entry['forward_backward_floor_ms']:.4f}",
          "dx err": f"{v['grad_input_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    print(markdown_table(rows, ["d", "variant", "fwd ms", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
+    print(markdown_table(rows, ["d", "variant", "fwd ms", "graph fwd", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
                                  "dx err"]))
     try:
         plot(document, args.out.replace(".json", ".png"))
