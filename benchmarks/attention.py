@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import markdown_table, write_result
+from common import copy_bandwidth_gbs, markdown_table, relative_error, write_result
 
 DEVICE = "cuda"
 TOKENS = 16384
@@ -189,10 +189,6 @@ def flops(batch, length, head_dim, causal, forward_backward):
     return forward * (3.5 if forward_backward else 1.0)
 
 
-def relative_error(actual, expected):
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
 def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TOKENS // 1024):
     """Relative errors of the output and every gradient against the fp32 reference (the bias-free ceiling is
     compared with the bias-free reference)."""
@@ -287,15 +283,6 @@ def decoding(cache, name):
     moved = cache_bytes + 2 * q.numel() * q.element_size()
     return {"ms": ms, "gb_per_s": moved / ms / 1e6, "graph_ms": graph_ms, "graph_gb_per_s": moved / graph_ms / 1e6,
             "output_rel_error": error}
-
-
-def copy_bandwidth_gb_per_s():
-    import triton.testing
-
-    source = torch.randn(2**28, device=DEVICE, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
-    return 2 * source.numel() * 2 / ms / 1e6
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -478,7 +465,7 @@ def benchmark(args):
     tasks += [("decode", "t5", True, cache, 64, ()) for cache in DECODE_CACHES]
     warm_caches(tasks, args.jobs)
 
-    results = {"copy_gb_per_s": copy_bandwidth_gb_per_s(), "tables": {}, "decoding": [], "summary": []}
+    results = {"copy_gb_per_s": copy_bandwidth_gbs(), "tables": {}, "decoding": [], "summary": []}
     for cache in DECODE_CACHES:
         for name in ("fat5", "sdpa_flash_no_bias"):
             row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}

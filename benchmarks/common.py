@@ -46,6 +46,21 @@ def write_result(path: str, results, **extra) -> dict:
     return document
 
 
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy rate (bytes read + written), the ceiling the bandwidth floors are computed with."""
+    import triton.testing
+
+    source = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
+    return 2 * source.numel() * 2 / ms / 1e6
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in float64."""
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import markdown_table, write_result
+from common import copy_bandwidth_gbs, markdown_table, relative_error, write_result
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -54,19 +54,6 @@ def variants():
     except ImportError as error:
         print(f"liger-kernel unavailable ({error}); measuring without it")
     return table
-
-
-def copy_bandwidth_gbs() -> float:
-    import triton.testing
-
-    source = torch.randn(2**28, device=DEVICE, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
-    return 2 * source.numel() * 2 / ms / 1e6
-
-
-def relative_error(actual, expected) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 def check(fn, x, w, grad_output, reference) -> dict:
