@@ -334,9 +334,10 @@ def main(argv=None):
     parser.add_argument("--smoothing", type=int, default=None, help="moving-average window (default 20; --tiny: 4)")
     parser.add_argument("--no-seed-reference", action="store_true",
                         help="skip the second transformers run (no same-learning verdict)")
-    parser.add_argument("--torch-compile", choices=["default", "reduce-overhead"], default=None,
+    parser.add_argument("--torch-compile", choices=["default", "reduce-overhead", "regional"], default=None,
                         help="both trainers compile their model (TrainingArguments torch_compile, with this mode; "
-                             "reduce-overhead replays CUDA graphs)")
+                             "reduce-overhead replays CUDA graphs; regional compiles each block, FAT5 through "
+                             "torch_compile_regional, transformers through accelerate's own switch for it)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the path on a CPU")
     parser.add_argument("--work-dir", default=None, help="checkpoints, data and runs (default: a temporary folder)")
     parser.add_argument("--out", default="benchmarks/results/finetune.json")
@@ -369,7 +370,11 @@ def main(argv=None):
         "seed": 0,
         "report_to": "none",
     }
-    if args.torch_compile:
+    if args.torch_compile == "regional":
+        common_training.update(torch_compile_regional=True)
+        # the plain Seq2SeqTrainer that trains transformers' model reads accelerate's environment switch
+        os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "1"
+    elif args.torch_compile:
         common_training.update(torch_compile=True, torch_compile_mode=args.torch_compile)
     # fp32 weights on both sides; on the GPU bf16 autocast, whose rounding differs between the implementations
     tolerance = 1e-2 if torch.cuda.is_available() else 1e-4

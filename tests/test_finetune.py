@@ -330,8 +330,9 @@ def test_lora_on_a_classification_head_trains_the_head_in_full(tiny_model, tmp_p
 # ----------------------------------------------------------------------------------------------- gradient accumulation
 
 
-def one_sgd_step(config: dict, batch_size: int, accumulation: int) -> tuple[float, dict]:
-    """Training loss and weight update of one plain SGD step (lr 1: the update is the gradient)."""
+def one_sgd_step(config: dict, batch_size: int, accumulation: int, trained: list | None = None) -> tuple[float, dict]:
+    """Training loss and weight update of one plain SGD step (lr 1: the update is the gradient); the trainer is
+    appended to ``trained`` when given."""
     config = json.loads(json.dumps(config))
     config["training"].update(
         max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
@@ -341,6 +342,8 @@ def one_sgd_step(config: dict, batch_size: int, accumulation: int) -> tuple[floa
     setup = prepare_finetune(load_finetune_config(config))
     before = {name: p.detach().clone() for name, p in setup.model.named_parameters() if p.requires_grad}
     loss = setup.trainer.train().training_loss
+    if trained is not None:
+        trained.append(setup.trainer)
     return loss, {name: before[name] - p.detach() for name, p in setup.model.named_parameters() if p.requires_grad}
 
 
@@ -387,6 +390,30 @@ def test_torch_compile_in_the_training_section_takes_the_eager_step(tiny_model, 
     for name, update in update_eager.items():
         error = ((update_compiled[name] - update).norm() / update.norm()).item()
         assert error < 1e-4, f"{name}: compiled and eager updates differ by {error:.2e}"
+
+
+def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
+    """``training: {torch_compile_regional: true}``: the Trainer trains a model whose blocks are compiled one by one
+    (the model itself is not), the step is the eager one, and the saved model is the plain one."""
+    config = seq2seq_config(tiny_model, tmp_path, validation=False)
+    config["data"]["train_file"] = str(four_rows)
+    loss_eager, update_eager = one_sgd_step(config, batch_size=4, accumulation=1)
+    config["training"]["torch_compile_regional"] = True
+    torch._dynamo.reset()
+    trained = []
+    loss_regional, update_regional = one_sgd_step(config, batch_size=4, accumulation=1, trained=trained)
+    trainer = trained[0]
+    assert trainer.args.torch_compile
+    compiled = trainer.model_wrapped
+    assert not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    for stack in (compiled.encoder, compiled.decoder):
+        assert all(isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in stack.block)
+    # what is saved is the model with its usual parameter names, no compiled wrappers inside
+    assert all("_orig_mod" not in name for name in trainer.model.state_dict())
+    assert loss_regional == pytest.approx(loss_eager, rel=1e-5)
+    for name, update in update_eager.items():
+        error = ((update_regional[name] - update).norm() / update.norm()).item()
+        assert error < 1e-4, f"{name}: regional-compiled and eager updates differ by {error:.2e}"
 
 
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])

@@ -35,8 +35,8 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
       bias: none                       # or all, lora_only (PEFT's)
       use_rslora: false                # rank-stabilised scaling alpha / sqrt(r)
       merge: true                      # also write the adapter merged into a plain FAT5 model
-    training:                          # any Seq2SeqTrainingArguments field but output_dir
-      learning_rate: 3.0e-4
+    training:                          # any Seq2SeqTrainingArguments field but output_dir, and FAT5's
+      learning_rate: 3.0e-4            # torch_compile_regional (FAT5TrainingArguments)
       num_train_epochs: 3
     bundle: false                      # also write a self-contained remote-code folder (fat5.hub_upload.bundle)
 
@@ -611,8 +611,8 @@ def _data_collator(task: str, tokenizer, pad_to_multiple_of):
 
 
 def training_arguments(config: dict, has_eval_data: bool):
-    """`Seq2SeqTrainingArguments` from the ``training`` section plus the job's defaults (see the module doc)."""
-    from transformers import Seq2SeqTrainingArguments
+    """`FAT5TrainingArguments` from the ``training`` section plus the job's defaults (see the module doc)."""
+    from .trainer import FAT5TrainingArguments
 
     defaults = {"train_sampling_strategy": "group_by_length", "report_to": "none"}
     if config["task"] == "seq2seq" and has_eval_data:
@@ -624,19 +624,19 @@ def training_arguments(config: dict, has_eval_data: bool):
             arguments[name] = "no"
     if config["task"] != "seq2seq" and arguments.get("predict_with_generate"):
         raise FAT5Error(f"training.predict_with_generate needs task seq2seq, not {config['task']}")
-    fields = Seq2SeqTrainingArguments.__dataclass_fields__
+    fields = FAT5TrainingArguments.__dataclass_fields__
     for name, value in arguments.items():
         choices = fields[name].metadata.get("choices") if name in fields else None
         if choices and value is not None and value not in choices:
             raise FAT5Error(f"training.{name} must be one of {list(choices)}, got {value!r}")
     try:
-        return Seq2SeqTrainingArguments(**arguments)
+        return FAT5TrainingArguments(**arguments)
     except TypeError as error:
         unknown = sorted(set(arguments) - set(fields))
         hint = ""
         if "group_by_length" in unknown:
             hint = " (transformers 5 writes it train_sampling_strategy: group_by_length)"
-        raise FAT5Error(f"training: {unknown or error} not Seq2SeqTrainingArguments field(s){hint}") from None
+        raise FAT5Error(f"training: {unknown or error} not FAT5TrainingArguments (Seq2SeqTrainingArguments) field(s){hint}") from None
     except ValueError as error:
         raise FAT5Error(f"training: {error}") from None
 

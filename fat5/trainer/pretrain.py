@@ -124,12 +124,12 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     checkpoint in ``output_dir``.
     """
     from accelerate import PartialState
-    from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainingArguments, set_seed
+    from transformers import AutoModelForSeq2SeqLM, set_seed
 
     from .collator import UL2DataCollator
     from .data import tokenize_dataset
     from .packing import PackedStreamDataset, UL2PackedBatchSampler
-    from .trainer import FAT5Trainer, require_full_state_dict
+    from .trainer import FAT5Trainer, FAT5TrainingArguments, require_full_state_dict
 
     settings = load_config(config)
     output_dir = Path(output_dir or "outputs/fat5-pretrain")
@@ -177,7 +177,7 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
         eval_sampler = UL2PackedBatchSampler(evaluation["length"], collator.objective, shuffle=False, **batching)
 
     try:
-        arguments = Seq2SeqTrainingArguments(
+        arguments = FAT5TrainingArguments(
             output_dir=str(output_dir),
             seed=seed,
             remove_unused_columns=False,

@@ -6,10 +6,35 @@ to every training log, and routes transformers' ``label_smoothing_factor`` into 
 """
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import Seq2SeqTrainer
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+
+@dataclass
+class FAT5TrainingArguments(Seq2SeqTrainingArguments):
+    """``Seq2SeqTrainingArguments`` plus what FAT5's jobs add.
+
+    Args:
+        torch_compile_regional: compile each encoder and decoder block on its own (accelerate's regional
+            compilation: blocks of one kind share their compiled code, so compiling costs a few blocks' worth)
+            instead of the whole model. Implies ``torch_compile``; ``torch_compile_mode`` applies to each block.
+            Inductor then fuses the element-wise work between the kernels and the blocks' Python runs once per
+            shape, which pays most where eager steps wait on the host (long inputs at small batches), without
+            CUDA graphs' need for batches of one shape.
+    """
+
+    torch_compile_regional: bool = field(
+        default=False,
+        metadata={"help": "Compile each encoder and decoder block separately (implies torch_compile)."},
+    )
+
+    def __post_init__(self):
+        if self.torch_compile_regional:
+            self.torch_compile = True
+        super().__post_init__()
 
 
 def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
@@ -78,6 +103,12 @@ class FAT5Trainer(Seq2SeqTrainer):
             self.accelerator.unwrap_model(self.model).config.label_smoothing = self.args.label_smoothing_factor
             self.label_smoother = None
         self._reset_window()
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        arguments = super()._build_accelerator_args(**kwargs)
+        if getattr(self.args, "torch_compile_regional", False):
+            arguments["dynamo_plugin"].use_regional_compilation = True
+        return arguments
 
     def _batch_loader(self, dataset, batch_sampler) -> DataLoader:
         from .packing import PlannedDataset
