@@ -35,7 +35,8 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 IMPLEMENTATIONS = ("fat5", "fat5-compiled", "fat5-cudagraphs", "transformers")
 COMPILED = ("fat5-compiled", "fat5-cudagraphs")
-PACKED = "fat5-packed"  # the eager fat5 model trained on packed rows (--packed)
+# the eager fat5 model, and the one with compiled blocks, trained on packed rows (--packed)
+PACKED = {"fat5": "fat5-packed", "fat5-compiled": "fat5-compiled-packed"}
 
 
 def build_models(shape: str, implementations: list[str]):
@@ -353,7 +354,7 @@ def plot(document, path):
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for index, name in enumerate((*IMPLEMENTATIONS, PACKED)):
+    for index, name in enumerate((*IMPLEMENTATIONS, *PACKED.values())):
         rows = [r for r in document["results"]["training"] if r["implementation"] == name and r["tokens_per_second"]]
         if not rows:
             continue
@@ -384,8 +385,9 @@ def main(argv=None):
     parser.add_argument("--batches", nargs="+", default=[], metavar="LENGTH:BATCH",
                         help=f"training/encoder batch per encoder length, over the defaults {DEFAULT_BATCHES}")
     parser.add_argument("--packed", type=int, default=0, metavar="EXAMPLES",
-                        help="also train the eager fat5 model on rows packing this many examples each (segment_ids, "
-                             "as `fat5 pretrain` does), reported as fat5-packed")
+                        help="also train the eager fat5 model (and fat5-compiled, when measured) on rows packing this "
+                             "many examples each (segment_ids, as `fat5 pretrain` does), reported as fat5-packed "
+                             "(fat5-compiled-packed)")
     parser.add_argument("--out", default="benchmarks/results/model.json")
     args = parser.parse_args(argv)
     batches = dict(DEFAULT_BATCHES)
@@ -394,9 +396,9 @@ def main(argv=None):
         if not (length.isdigit() and batch.isdigit()):
             parser.error(f"--batches takes LENGTH:BATCH pairs such as 1024:16, got {pair!r}")
         batches[int(length)] = int(batch)
-    if args.packed < 0 or (args.packed and ("fat5" not in args.implementations or "training" in args.skip)):
-        parser.error("--packed takes a positive number of examples per row and needs the fat5 implementation and "
-                     "the training measurement")
+    if args.packed < 0 or (args.packed and (not set(PACKED) & set(args.implementations) or "training" in args.skip)):
+        parser.error("--packed takes a positive number of examples per row and needs the fat5 or fat5-compiled "
+                     "implementation and the training measurement")
     for length in args.lengths if args.packed else ():
         if max(length // 4, 1) // args.packed < 4:
             parser.error(f"--packed {args.packed}: the decoder rows of encoder length {length} ({max(length // 4, 1)} "
@@ -413,9 +415,10 @@ def main(argv=None):
     if "training" not in args.skip:
         results["training"] = [row for name, model in models.items()
                                for row in measure_training(name, model, args.lengths, batches, peak)]
-        if args.packed:
-            results["training"] += measure_training(PACKED, models["fat5"], args.lengths, batches, peak,
-                                                    packed_examples=args.packed)
+        for name, packed_name in PACKED.items() if args.packed else ():
+            if name in models:
+                results["training"] += measure_training(packed_name, models[name], args.lengths, batches, peak,
+                                                        packed_examples=args.packed)
     for length in args.profile:
         for name, model in models.items():
             profile_training(name, model, length, batches.get(length, 1), args.out.replace(".json", "_profile.txt"))
