@@ -85,8 +85,8 @@ def t5_bucket_torch(relative, bidirectional):
 
 
 def implementation(name, position_encoding, causal, length, head_dim):
-    torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape of the run
     """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes."""
+    torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape of the run
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,6 +1,6 @@
 """What ``launch.CachedLauncher`` buys a whole model: FAT5 with Triton's own launch path against the cached one.
 
-One T5 v1.1-base-shaped FAT5 (bf16), one process; the two launch paths alternate (``FAT5_PLAIN_TRITON_LAUNCH``)
+One T5 v1.1-base-shaped FAT5 (bf16), one process; the two launch paths alternate (``launch.set_plain_launch``)
 for ``--rounds`` rounds, so that a drift of the host or the GPU hits both alike. Measured: training steps (forward,
 backward, fused AdamW; CUDA events, median of 5) at the batch shapes where the eager step is host-bound, and greedy
 decoding of 64 tokens after a 512-token input.
@@ -26,10 +26,9 @@ PATHS = ("plain", "cached")
 
 
 def use_path(path: str) -> None:
-    if path == "plain":
-        os.environ["FAT5_PLAIN_TRITON_LAUNCH"] = "1"
-    else:
-        os.environ.pop("FAT5_PLAIN_TRITON_LAUNCH", None)
+    from fat5.kernels.launch import set_plain_launch
+
+    set_plain_launch(path == "plain")
 
 
 def training_rates(model, batch, length, rounds) -> dict:

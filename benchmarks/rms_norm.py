@@ -4,10 +4,9 @@
 fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before every repetition), and the
 forward and the forward+backward also replayed from a CUDA graph with the same flush (``cold_graph_ms``): the
 targets are claimed on that device time, the eager figures of these short kernels being the host's (see
-``cold_graph_ms``). The
-bandwidth floor is the bytes that must move (forward: read x, write y; forward+backward: that plus read x and dy,
-write dx) over the measured device-to-device copy rate. ``--sweep`` also times both kernels over their launch
-configs.
+``cold_graph_ms``). The bandwidth floor is the bytes that must move (forward: read x, write y; forward+backward:
+that plus read x and dy, write dx) over the measured device-to-device copy rate. ``--sweep`` also times both
+kernels over their launch configs.
 
     python benchmarks/rms_norm.py --sweep --out benchmarks/results/rms_norm.json
     python benchmarks/rms_norm.py --plot-only benchmarks/results/rms_norm.json
@@ -297,8 +296,9 @@ def main():
          "dx err": f"{v['grad_input_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    print(markdown_table(rows, ["d", "variant", "fwd ms", "graph fwd", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
-                                 "dx err"]))
+    columns = ["d", "variant", "fwd ms", "graph fwd", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
+               "dx err"]
+    print(markdown_table(rows, columns))
     try:
         plot(document, args.out.replace(".json", ".png"))
     except ImportError as error:

@@ -392,6 +392,23 @@ def test_torch_compile_in_the_training_section_takes_the_eager_step(tiny_model, 
         assert error < 1e-4, f"{name}: compiled and eager updates differ by {error:.2e}"
 
 
+def test_regional_compilation_with_an_accelerate_that_lacks_it_is_refused_by_name(monkeypatch, tmp_path):
+    """Before accelerate 1.7 the Trainer would compile the whole model instead: say so rather than do that."""
+    import dataclasses
+
+    import accelerate.utils
+
+    from fat5.trainer.trainer import FAT5TrainingArguments
+
+    @dataclasses.dataclass
+    class PluginWithoutTheSwitch:
+        backend: str = "no"
+
+    monkeypatch.setattr(accelerate.utils, "TorchDynamoPlugin", PluginWithoutTheSwitch)
+    with pytest.raises(ValueError, match=r"torch_compile_regional needs accelerate >= 1\.7"):
+        FAT5TrainingArguments(output_dir=str(tmp_path), torch_compile_regional=True, report_to="none")
+
+
 def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
     """``training: {torch_compile_regional: true}``: the Trainer trains a model whose blocks are compiled one by one
     (the model itself is not), the step is the eager one, and the saved model is the plain one."""
@@ -408,8 +425,13 @@ def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_
     assert not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     for stack in (compiled.encoder, compiled.decoder):
         assert all(isinstance(block, torch._dynamo.eval_frame.OptimizedModule) for block in stack.block)
-    # what is saved is the model with its usual parameter names, no compiled wrappers inside
-    assert all("_orig_mod" not in name for name in trainer.model.state_dict())
+    # what the Trainer saves is the model with its usual parameter names, and it loads
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert saved and not [name for name in saved if "_orig_mod" in name]
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "saved")
+    for name, parameter in reloaded.named_parameters():
+        torch.testing.assert_close(parameter, trainer.model.get_parameter(name), rtol=0, atol=0)
     assert loss_regional == pytest.approx(loss_eager, rel=1e-5)
     for name, update in update_eager.items():
         error = ((update_regional[name] - update).norm() / update.norm()).item()

@@ -79,6 +79,34 @@ def test_interpreter_launches_the_plain_way():
     assert _strided_axpy_kernel.compiled == {} and _strided_axpy_kernel.specialisations == {}
 
 
+def test_the_interpreter_keeps_the_plain_launch_whatever_is_asked(monkeypatch):
+    """``set_plain_launch(False)`` (what benchmarks/launch_overhead.py alternates) cannot send an interpreted kernel
+    down the cached path, which needs a GPU."""
+    from fat5.kernels import launch
+
+    monkeypatch.setattr(launch, "_plain_launch", True)
+    launch.set_plain_launch(False)
+    x, y = torch.randn(100), torch.randn(100)
+    torch.testing.assert_close(_axpy(x, y, 2.0), 2.0 * x + y)
+    assert _strided_axpy_kernel.compiled == {}
+
+
+@pytest.mark.gpu
+def test_plain_launch_switch_bypasses_the_cache(monkeypatch):
+    from fat5.kernels import launch
+
+    monkeypatch.setattr(launch, "_plain_launch", False)
+    monkeypatch.setattr(_strided_axpy_kernel, "compiled", {})
+    monkeypatch.setattr(_strided_axpy_kernel, "specialisations", {})
+    x, y = torch.randn(500, device="cuda"), torch.randn(500, device="cuda")
+    launch.set_plain_launch(True)
+    torch.testing.assert_close(_axpy(x, y, 3.0), 3.0 * x + y)
+    assert _strided_axpy_kernel.compiled == {}
+    launch.set_plain_launch(False)
+    torch.testing.assert_close(_axpy(x, y, 3.0), 3.0 * x + y)
+    assert len(_strided_axpy_kernel.compiled) == 1
+
+
 @pytest.mark.gpu
 def test_cached_launches_match_torch_for_every_specialisation():
     """Cached launches after a first one with other strides, alignments, sizes and dtypes stay exact."""

@@ -14,8 +14,8 @@ so reusing it is exact. The fast key, looked up first, holds the integers' value
 Python loop over them); a miss maps the call to its specialisation, so a new length does not launch the slow way.
 Under ``TRITON_INTERPRET=1`` (CPU tests) the plain launch runs. Triton's launch hooks
 (``knobs.runtime.launch_enter_hook``, used by Proton) are not called on the cached path; set
-``FAT5_PLAIN_TRITON_LAUNCH=1`` (before importing fat5, as Triton reads ``TRITON_INTERPRET``) to launch every
-kernel the plain way.
+``FAT5_PLAIN_TRITON_LAUNCH=1`` before importing fat5 (or call ``set_plain_launch(True)``) to launch every kernel the
+plain way.
 
 The launcher keys on the current CUDA device and launches on its current stream: launch under ``device_guard``.
 """
@@ -62,6 +62,17 @@ def multiprocessors(device: torch.device, interpreter_count: int) -> int:
 
 def _plain_launch_only() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FAT5_PLAIN_TRITON_LAUNCH") == "1"
+
+
+# Read once: two environment lookups in every launch cost about a millisecond of an eager training step's host time.
+_plain_launch = _plain_launch_only()
+
+
+def set_plain_launch(plain: bool) -> None:
+    """Launch every kernel through Triton's own ``kernel[grid](...)`` (True), or through the cache (False, the
+    default outside the interpreter; the interpreter always launches the plain way)."""
+    global _plain_launch
+    _plain_launch = bool(plain) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _integer_width(value: int):
@@ -127,8 +138,6 @@ class CachedLauncher:
         self.specialisations = {}  # specialisation key -> compiled kernel
         self.layouts = {}
         self.runtime_names = None  # read from the JITFunction at the first compiled-path launch
-        # read once: two environment lookups per launch cost a millisecond of an eager training step's host time
-        self.plain_launch_only = _plain_launch_only()
 
     def _read_signature(self):
         params = self.kernel.params
@@ -145,7 +154,7 @@ class CachedLauncher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        if self.plain_launch_only:
+        if _plain_launch:
             return self.kernel[grid](*args, **kwargs)
         if self.runtime_names is None:
             self._read_signature()

@@ -35,8 +35,8 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
       bias: none                       # or all, lora_only (PEFT's)
       use_rslora: false                # rank-stabilised scaling alpha / sqrt(r)
       merge: true                      # also write the adapter merged into a plain FAT5 model
-    training:                          # any Seq2SeqTrainingArguments field but output_dir, and FAT5's
-      learning_rate: 3.0e-4            # torch_compile_regional (FAT5TrainingArguments)
+    training:                          # any FAT5TrainingArguments field (Seq2SeqTrainingArguments plus
+      learning_rate: 3.0e-4            #   torch_compile_regional) but output_dir
       num_train_epochs: 3
     bundle: false                      # also write a self-contained remote-code folder (fat5.hub_upload.bundle)
 
@@ -253,7 +253,7 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
 
     training = raw.get("training") or {}
     if not isinstance(training, dict):
-        raise FAT5Error("finetune config: training must be a mapping of Seq2SeqTrainingArguments fields")
+        raise FAT5Error("finetune config: training must be a mapping of FAT5TrainingArguments fields")
     if "output_dir" in training:
         raise FAT5Error("finetune config: set output_dir at the top level, not in training")
     return {
@@ -636,7 +636,7 @@ def training_arguments(config: dict, has_eval_data: bool):
         hint = ""
         if "group_by_length" in unknown:
             hint = " (transformers 5 writes it train_sampling_strategy: group_by_length)"
-        raise FAT5Error(f"training: {unknown or error} not FAT5TrainingArguments (Seq2SeqTrainingArguments) field(s){hint}") from None
+        raise FAT5Error(f"training: {unknown or error} not FAT5TrainingArguments field(s){hint}") from None
     except ValueError as error:
         raise FAT5Error(f"training: {error}") from None
 

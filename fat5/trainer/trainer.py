@@ -33,6 +33,16 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
 
     def __post_init__(self):
         if self.torch_compile_regional:
+            from accelerate.utils import TorchDynamoPlugin
+
+            # the switch came with accelerate 1.7; before it the Trainer would compile the whole model instead
+            if "use_regional_compilation" not in TorchDynamoPlugin.__dataclass_fields__:
+                import accelerate
+
+                raise ValueError(
+                    "torch_compile_regional needs accelerate >= 1.7 (TorchDynamoPlugin.use_regional_compilation), "
+                    f"this environment has accelerate {accelerate.__version__}"
+                )
             self.torch_compile = True
         super().__post_init__()
 
@@ -106,6 +116,8 @@ class FAT5Trainer(Seq2SeqTrainer):
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         arguments = super()._build_accelerator_args(**kwargs)
+        # transformers builds the dynamo plugin from torch_compile* for every accelerate that has the switch
+        # (FAT5TrainingArguments checked the version); plain Seq2SeqTrainingArguments have no such field
         if getattr(self.args, "torch_compile_regional", False):
             arguments["dynamo_plugin"].use_regional_compilation = True
         return arguments
