@@ -12,6 +12,15 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            # these give the kernels CPU tensors, which only the interpreter runs; the GPU has its own gpu tests
+            skip_interpreted = pytest.mark.skip(
+                reason="runs the Triton kernels on CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 "
+                "to run it on a machine with a GPU"
+            )
+            for item in items:
+                if "interpreter" in item.keywords and "gpu" not in item.keywords:
+                    item.add_marker(skip_interpreted)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

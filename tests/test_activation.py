@@ -9,6 +9,9 @@ from transformers.activations import ACT2FN
 
 from fat5.kernels.activation import ACTIVATIONS, activation_reference, gated_activation
 
+# the kernels run on CPU tensors here (Triton's interpreter); gpu-marked tests run them on a GPU
+pytestmark = pytest.mark.interpreter
+
 
 def _float64_truth(gate, linear, activation, grad_output):
     """transformers' activation in fp64 (no intermediate rounding), its output and gradients."""

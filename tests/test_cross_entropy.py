@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 
 from fat5.kernels.cross_entropy import cross_entropy, cross_entropy_reference
 
+# the kernels run on CPU tensors here (Triton's interpreter); gpu-marked tests run them on a GPU
+pytestmark = pytest.mark.interpreter
+
 
 def _truth(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, reduction="mean", num_items=None):
     """fp64, written from the definitions: smoothed NLL of log_softmax and z_loss * logsumexp^2 per counted token."""

@@ -72,6 +72,7 @@ def test_key_refuses_arguments_it_cannot_describe():
         _ArgumentLayout((torch.Tensor, str), set(), ["x_ptr", "name"])
 
 
+@pytest.mark.interpreter
 def test_interpreter_launches_the_plain_way():
     """Under TRITON_INTERPRET=1 (the CPU suite) nothing is cached and the kernel computes the right thing."""
     x, y = torch.randn(300), torch.randn(100)
@@ -79,6 +80,7 @@ def test_interpreter_launches_the_plain_way():
     assert _strided_axpy_kernel.compiled == {} and _strided_axpy_kernel.specialisations == {}
 
 
+@pytest.mark.interpreter
 def test_the_interpreter_keeps_the_plain_launch_whatever_is_asked(monkeypatch):
     """``set_plain_launch(False)`` (what benchmarks/launch_overhead.py alternates) cannot send an interpreted kernel
     down the cached path, which needs a GPU."""

@@ -8,6 +8,9 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from fat5.kernels.rms_norm import rms_norm, rms_norm_reference
 
+# the kernels run on CPU tensors here (Triton's interpreter); gpu-marked tests run them on a GPU
+pytestmark = pytest.mark.interpreter
+
 
 def _t5_layer_norm(weight: torch.Tensor, eps: float) -> T5LayerNorm:
     module = T5LayerNorm(weight.shape[0], eps=eps).to(device=weight.device, dtype=weight.dtype)

@@ -292,8 +292,26 @@ def _build_model(model_class, config, tensors, unused_source_tensors=()):
     return model.float().eval()
 
 
+def _make_umt5_decoder_causal(reference, notes: list[str]) -> None:
+    """Some transformers 5 releases (5.17 among them) build UMT5's decoder self-attention with ``is_causal=False``:
+    without a decoder mask, SDPA then lets each position see the later ones. UMT5 is causal, as the fixed releases
+    and FAT5 are; the reference is made so for the check."""
+    decoder = getattr(reference, "decoder", None)
+    if decoder is None:
+        return
+    attentions = [block.layer[0].SelfAttention for block in decoder.block]
+    if any(getattr(attention, "is_causal", True) is False for attention in attentions):
+        for attention in attentions:
+            attention.is_causal = True
+        notes.append("this transformers' UMT5 decoder self-attention was not causal (is_causal=False, a transformers "
+                     "bug fixed in later releases); the check ran it causal, as UMT5 is")
+
+
 def _align_reference(reference, model_type: str, scale_decoder_outputs: bool, notes: list[str]) -> None:
-    """Make transformers' class scale the decoder output as the raw config says (see the module docstring)."""
+    """Make transformers' class scale the decoder output as the raw config says (see the module docstring), and
+    its UMT5 decoder causal."""
+    if model_type == "umt5":
+        _make_umt5_decoder_causal(reference, notes)
     if not hasattr(reference, "lm_head"):
         return
     if model_type == "t5":
