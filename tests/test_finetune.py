@@ -330,9 +330,14 @@ def test_lora_on_a_classification_head_trains_the_head_in_full(tiny_model, tmp_p
 # ----------------------------------------------------------------------------------------------- gradient accumulation
 
 
-def one_sgd_step(config: dict, batch_size: int, accumulation: int, trained: list | None = None) -> tuple[float, dict]:
-    """Training loss and weight update of one plain SGD step (lr 1: the update is the gradient); the trainer is
-    appended to ``trained`` when given."""
+def one_sgd_step(config: dict, batch_size: int, accumulation: int) -> tuple[float, dict]:
+    """Training loss and weight update of one plain SGD step (lr 1: the update is the gradient)."""
+    _, loss, update = trained_sgd_step(config, batch_size, accumulation)
+    return loss, update
+
+
+def trained_sgd_step(config: dict, batch_size: int, accumulation: int):
+    """``one_sgd_step`` that also returns the trainer that took the step: (trainer, loss, update)."""
     config = json.loads(json.dumps(config))
     config["training"].update(
         max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
@@ -342,9 +347,8 @@ def one_sgd_step(config: dict, batch_size: int, accumulation: int, trained: list
     setup = prepare_finetune(load_finetune_config(config))
     before = {name: p.detach().clone() for name, p in setup.model.named_parameters() if p.requires_grad}
     loss = setup.trainer.train().training_loss
-    if trained is not None:
-        trained.append(setup.trainer)
-    return loss, {name: before[name] - p.detach() for name, p in setup.model.named_parameters() if p.requires_grad}
+    update = {name: before[name] - p.detach() for name, p in setup.model.named_parameters() if p.requires_grad}
+    return setup.trainer, loss, update
 
 
 def assert_same_step(config: dict) -> None:
@@ -358,6 +362,13 @@ def assert_same_step(config: dict) -> None:
         # relative to the whole update (the bug this guards against gives 1.0: twice the step)
         error = ((update_split[name] - update).norm() / update.norm()).item()
         assert error < 1e-5, f"{name}: relative difference {error:.2e} between accumulated and whole-batch steps"
+
+
+def assert_updates_close(updates: dict, eager_updates: dict, what: str) -> None:
+    """A compiled step's weight updates within 1e-4 (relative) of the eager step's."""
+    for name, update in eager_updates.items():
+        error = ((updates[name] - update).norm() / update.norm()).item()
+        assert error < 1e-4, f"{name}: {what} and eager updates differ by {error:.2e}"
 
 
 @pytest.fixture
@@ -387,9 +398,7 @@ def test_torch_compile_in_the_training_section_takes_the_eager_step(tiny_model, 
     loss_compiled, update_compiled = one_sgd_step(config, batch_size=4, accumulation=1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
     assert loss_compiled == pytest.approx(loss_eager, rel=1e-5)
-    for name, update in update_eager.items():
-        error = ((update_compiled[name] - update).norm() / update.norm()).item()
-        assert error < 1e-4, f"{name}: compiled and eager updates differ by {error:.2e}"
+    assert_updates_close(update_compiled, update_eager, "compiled")
 
 
 def test_regional_compilation_with_an_accelerate_that_lacks_it_is_refused_by_name(monkeypatch, tmp_path):
@@ -417,9 +426,7 @@ def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_
     loss_eager, update_eager = one_sgd_step(config, batch_size=4, accumulation=1)
     config["training"]["torch_compile_regional"] = True
     torch._dynamo.reset()
-    trained = []
-    loss_regional, update_regional = one_sgd_step(config, batch_size=4, accumulation=1, trained=trained)
-    trainer = trained[0]
+    trainer, loss_regional, update_regional = trained_sgd_step(config, batch_size=4, accumulation=1)
     assert trainer.args.torch_compile
     compiled = trainer.model_wrapped
     assert not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
@@ -433,9 +440,7 @@ def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_
     for name, parameter in reloaded.named_parameters():
         torch.testing.assert_close(parameter, trainer.model.get_parameter(name), rtol=0, atol=0)
     assert loss_regional == pytest.approx(loss_eager, rel=1e-5)
-    for name, update in update_eager.items():
-        error = ((update_regional[name] - update).norm() / update.norm()).item()
-        assert error < 1e-4, f"{name}: regional-compiled and eager updates differ by {error:.2e}"
+    assert_updates_close(update_regional, update_eager, "regional-compiled")
 
 
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
