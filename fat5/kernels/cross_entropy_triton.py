@@ -126,8 +126,10 @@ def _cross_entropy_rescale_grad_kernel(
     grad_ce = tl.load(grad_ce_ptr).to(tl.float32)
     grad_z = tl.load(grad_z_ptr).to(tl.float32)
     label = tl.load(labels_ptr + row).to(tl.int64)
-    # The stored gradient is already the one for unit upstream gradients; ignored rows hold zeros either way.
-    needs_rescale = (grad_ce != 1.0) | ((grad_z != 1.0) & (z_loss != 0.0))
+    # The stored gradient is already the one for unit upstream gradients; ignored rows hold zeros either way. The
+    # z-loss term matters when grad_z != 1 and z_loss != 0, written as one product: Triton 3.3's interpreter cannot
+    # combine a tensor condition with the Python bool that a float argument's comparison gives there.
+    needs_rescale = (grad_ce != 1.0) | ((grad_z - 1.0) * z_loss != 0.0)
     if needs_rescale & (label != ignore_index):
         # stored = p * c / N - t with c = 1 + 2 z lse and t the label/smoothing target over N; the wanted gradient
         # g_ce * (p / N - t) + g_z * (c - 1) * p / N = (stored + t) * (g_ce + g_z * (c - 1)) / c - g_ce * t.
