@@ -17,6 +17,7 @@ caches; the timing itself runs in this process, one variant at a time.
 
     python benchmarks/attention.py --out benchmarks/results/attention.json
     python benchmarks/attention.py --sweep --out benchmarks/results/attention_sweep.json
+    python benchmarks/attention.py --breakdown --out benchmarks/results/attention_t5_breakdown.json
     python benchmarks/attention.py --plot-only benchmarks/results/attention.json
 """
 
@@ -46,6 +47,8 @@ DECODE_BATCH = 8
 # the materialised bias costs O(L^2) memory and its table gradient is an index backward over L^2 elements
 # (0.1 TFLOP/s at 8192 in BENCHMARKS.md): measured only where it fits in a few seconds
 MATERIALISED_MAX_LENGTH = {"forward": 4096, "forward_backward": 2048}
+BREAKDOWN_TOKENS = 32768  # the base-shape training step's encoder: 32 x 1024, 4 x 8192
+BREAKDOWN_LENGTHS = [1024, 8192]
 TABLES = [  # (name, position encoding, head_dim, peers)
     ("t5_d64", "t5", 64, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
     ("t5_d128", "t5", 128, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
@@ -355,23 +358,36 @@ def _forward_ms(q, k, v, options):
     return triton.testing.do_bench(lambda: attention(q, k, v, **options), warmup=25, rep=100, return_mode="median")
 
 
-def _backward_ms(q, k, v, table, options):
-    """The backward alone: one forward, then its graph differentiated again and again."""
+def _backward_ms(q, k, v, differentiated, options):
+    """The backward alone: one forward, then its graph differentiated again and again with respect to the tensors in
+    ``differentiated``."""
     import triton.testing
 
     from fat5.kernels.attention import attention
 
     out = attention(q, k, v, **options)
     grad_out = torch.randn_like(out)
-    return triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v, table), grad_out, retain_graph=True),
+    return triton.testing.do_bench(lambda: torch.autograd.grad(out, differentiated, grad_out, retain_graph=True),
                                    warmup=25, rep=100, return_mode="median")
+
+
+def _slice_error(q, k, v, options):
+    """The largest relative error of the output and of q, k, v's gradients on a 1 x 1024 slice of the inputs,
+    against the fp32 reference with the same options."""
+    from fat5.kernels.attention import attention
+
+    sliced = [t.detach()[:1, :, :1024].clone().requires_grad_() for t in (q, k, v)]
+    reference = [t.detach()[:1, :, :1024].float().requires_grad_() for t in (q, k, v)]
+    out = attention(*sliced, **options)
+    grads = torch.autograd.grad(out, sliced, torch.ones_like(out))
+    expected = attention(*reference, **dict(options, backend="reference"))
+    expected_grads = torch.autograd.grad(expected, reference, torch.ones_like(expected))
+    return max([relative_error(out, expected)] + [relative_error(g, e) for g, e in zip(grads, expected_grads)])
 
 
 def sweep(args):
     """Time each launch configuration of each kernel on the bidirectional T5 bias at L = 4096 (the causal case and
     the peers are timed at the defaults), checking each configuration against the fp32 reference first."""
-    from fat5.kernels.attention import attention
-
     length = 4096
     tasks = []
     for head_dim, table in ((64, SWEEP), (128, SWEEP_D128)):
@@ -391,7 +407,6 @@ def sweep(args):
         q, k, v, table_tensor = make_inputs(batch, length, head_dim, "t5")
         options = {"causal": False, "position_encoding": "t5", "relative_attention_bias": table_tensor,
                    "backend": "triton"}
-        reference_q, reference_k, reference_v = (t.detach()[:1, :, :1024].float().requires_grad_() for t in (q, k, v))
         for kind, configs in table.items():
             if kind == "decode":
                 continue
@@ -401,19 +416,11 @@ def sweep(args):
                     results.append({"kind": kind, "config": config, "head_dim": head_dim, "error": failures[task]})
                     continue
                 _apply_overrides(((kind, config),))
-                # correctness of this config on a slice, against the fp32 reference
-                sliced = [t.detach()[:1, :, :1024].clone().requires_grad_() for t in (q, k, v)]
-                out = attention(*sliced, **options)
-                grads = torch.autograd.grad(out, sliced, torch.ones_like(out))
-                expected = attention(reference_q, reference_k, reference_v, **dict(options, backend="reference"))
-                expected_grads = torch.autograd.grad(expected, (reference_q, reference_k, reference_v),
-                                                     torch.ones_like(expected))
-                error = max([relative_error(out, expected)]
-                            + [relative_error(g, e) for g, e in zip(grads, expected_grads)])
+                error = _slice_error(q, k, v, options)
                 if kind == "forward":
                     ms = _forward_ms(q, k, v, options)
                 else:
-                    ms = _backward_ms(q, k, v, table_tensor, options)
+                    ms = _backward_ms(q, k, v, (q, k, v, table_tensor), options)
                 row = {"kind": kind, "config": config, "head_dim": head_dim, "ms": ms, "max_rel_error": error}
                 results.append(row)
                 print(row, flush=True)
@@ -448,6 +455,42 @@ def sweep(args):
     for key, row in sorted(best.items(), key=str):
         print(key, row["config"], f"{row.get('graph_ms', row['ms']):.3f} ms")
     return {"sweep": results}
+
+
+def breakdown(args):
+    """Where the encoder's T5 attention time goes, at the whole model's encoder shapes (32k tokens): the forward
+    and the backward alone with the table gradient and without it (a frozen table), with a narrower and a wider
+    band of near tiles (max_distance 32 and 512 instead of 128), and with ALiBi and no bias as the floor."""
+    variants = [
+        ("t5, max_distance 128", "t5", {"max_distance": 128}, True),
+        ("t5, max_distance 128, frozen table", "t5", {"max_distance": 128}, False),
+        ("t5, max_distance 32", "t5", {"max_distance": 32}, True),
+        ("t5, max_distance 32, frozen table", "t5", {"max_distance": 32}, False),
+        ("t5, max_distance 512", "t5", {"max_distance": 512}, True),
+        ("t5, max_distance 512, frozen table", "t5", {"max_distance": 512}, False),
+        ("alibi", "alibi", {}, False),
+        ("no bias", "none", {}, False),
+    ]
+    rows = []
+    for length in args.lengths:
+        batch = BREAKDOWN_TOKENS // length
+        for name, position_encoding, extra, table_grad in variants:
+            q, k, v, position = make_inputs(batch, length, 64, "t5" if position_encoding == "t5" else "alibi")
+            if not table_grad:
+                position = position.detach()
+            options = {"causal": False, "position_encoding": position_encoding, "backend": "triton", **extra}
+            if position_encoding == "t5":
+                options["relative_attention_bias"] = position
+            elif position_encoding == "alibi":
+                options["alibi_slopes"] = position
+            differentiated = (q, k, v, position) if table_grad else (q, k, v)
+            row = {"variant": name, "length": length, "batch": batch, "max_rel_error": _slice_error(q, k, v, options),
+                   "forward_ms": _forward_ms(q, k, v, options),
+                   "backward_ms": _backward_ms(q, k, v, differentiated, options)}
+            row["backward_tflops"] = flops(batch, length, 64, False, True) / 3.5 * 2.5 / row["backward_ms"] / 1e9
+            rows.append(row)
+            print(row, flush=True)
+    return {"breakdown": rows}
 
 
 def benchmark(args):
@@ -569,7 +612,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/attention.json")
     parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations instead")
-    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the T5 encoder's forward and backward without parts of the bias instead")
+    parser.add_argument("--lengths", type=int, nargs="+", help=f"default {LENGTHS} ({BREAKDOWN_LENGTHS} with --breakdown)")
     parser.add_argument("--tables", nargs="+", default=[table[0] for table in TABLES], help="subset of the tables")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
@@ -578,10 +623,12 @@ def main():
         with open(args.plot_only) as handle:
             plot(json.load(handle), args.plot_only.replace(".json", ".png"))
         return
-    results = sweep(args) if args.sweep else benchmark(args)
+    if args.lengths is None:
+        args.lengths = BREAKDOWN_LENGTHS if args.breakdown else LENGTHS
+    results = sweep(args) if args.sweep else breakdown(args) if args.breakdown else benchmark(args)
     document = write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS,
                             max_distance=MAX_DISTANCE)
-    if not args.sweep:
+    if not (args.sweep or args.breakdown):
         try:
             plot(document, args.out.replace(".json", ".png"))
         except ImportError as error:
