@@ -25,6 +25,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import logging
 
 from .configuration_fat5 import FAT5Config
 from .kernels.activation import ACTIVATIONS, gated_activation
@@ -33,6 +34,8 @@ from .kernels.cross_entropy import cross_entropy
 from .kernels.position_bias import alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -204,6 +207,9 @@ class FAT5FIRE(nn.Module):
     the query as two separate inputs, so the MLP can tell the directions apart.
     """
 
+    # the order in which the first block hands these parameters on to the blocks that share them
+    PARAMETER_NAMES = ("c", "threshold", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
+
     def __init__(self, config: FAT5Config, bidirectional: bool):
         super().__init__()
         self.bidirectional = bidirectional
@@ -277,6 +283,10 @@ class FAT5Attention(nn.Module):
             self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, self.n_heads)
         if self.has_relative_attention_bias and self.position_encoding == "fire":
             self.fire = FAT5FIRE(config, bidirectional=not is_decoder)
+        # the position parameters that travel from the first block to the later ones, in their travelling order
+        self.position_parameter_names = {"t5": ("weight",), "fire": FAT5FIRE.PARAMETER_NAMES}.get(
+            self.position_encoding, ()
+        )
 
     def _own_position_parameters(self) -> dict[str, torch.Tensor]:
         if self.position_encoding == "t5":
@@ -324,11 +334,12 @@ class FAT5Attention(nn.Module):
         layout: TokenLayout,
         key_value_states: torch.Tensor | None = None,
         key_value_layout: TokenLayout | None = None,
-        shared_position: dict[str, torch.Tensor] | None = None,
+        shared_position: tuple[torch.Tensor, ...] = (),
         past_key_values: EncoderDecoderCache | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """Returns the output and the position parameters that the later layers of the stack use: copies of this
-        layer's own when it has some, else ``shared_position`` (the first layer's) passed on."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Returns the output and the position parameters that the later layers of the stack use (in the order of
+        ``position_parameter_names``): copies of this layer's own when it has some, else ``shared_position`` (the
+        first layer's) passed on."""
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
         query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
@@ -369,9 +380,10 @@ class FAT5Attention(nn.Module):
             position_source = self._position_source(own, *position_lengths)
             # copies, not the parameters: under FSDP this block's parameters are sharded again once it has run, and
             # a copy's backward needs no parameter values, only adds its gradient to them
-            shared_position = {name: parameter.clone() for name, parameter in own.items()}
-        elif shared_position is not None:
-            position_source = self._position_source(shared_position, *position_lengths)
+            shared_position = tuple(own[name].clone() for name in self.position_parameter_names)
+        elif shared_position:
+            shared = dict(zip(self.position_parameter_names, shared_position))
+            position_source = self._position_source(shared, *position_lengths)
         position = self._position_arguments(position_source, query.device)
 
         if layout.is_packed:
@@ -413,7 +425,7 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = _layer_norm(config)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, shared_position=None, past_key_values=None):
+    def forward(self, hidden_states, layout, shared_position=(), past_key_values=None):
         attention_output, shared_position = self.SelfAttention(
             self.layer_norm(hidden_states), layout, shared_position=shared_position, past_key_values=past_key_values
         )
@@ -458,17 +470,21 @@ class FAT5Block(GradientCheckpointingLayer):
         layout,
         encoder_hidden_states=None,
         encoder_layout=None,
-        shared_position=None,
         past_key_values=None,
+        *shared_position,
     ):
-        """Returns the hidden states and the shared position parameters (see ``FAT5Attention.forward``)."""
+        """Returns the hidden states followed by the shared position parameters (see ``FAT5Attention.forward``).
+
+        The shared parameters come in and go out as tensors of their own, not in a container: reentrant gradient
+        checkpointing (``use_reentrant=True``) carries gradients only through the tensors among a block's arguments
+        and outputs, and would lose the later blocks' share of the first block's bias table."""
         hidden_states, shared_position = self.layer[0](hidden_states, layout, shared_position, past_key_values)
         hidden_states = _clamp_fp16(hidden_states)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = _clamp_fp16(
                 self.layer[1](hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values)
             )
-        return _clamp_fp16(self.layer[-1](hidden_states)), shared_position
+        return _clamp_fp16(self.layer[-1](hidden_states)), *shared_position
 
 
 class FAT5Stack(nn.Module):
@@ -478,6 +494,9 @@ class FAT5Stack(nn.Module):
 
     def __init__(self, config: FAT5Config, embed_tokens: nn.Embedding, is_decoder: bool):
         super().__init__()
+        # the model's own config (not a copy, as T5's stacks have): its output_hidden_states and return_dict are the
+        # stack's defaults too, and stay so when they change
+        self.config = config
         self.embed_tokens = embed_tokens
         self.is_decoder = is_decoder
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
@@ -506,11 +525,13 @@ class FAT5Stack(nn.Module):
         encoder_attention_mask=None,
         encoder_segment_ids=None,
         past_key_values=None,
-        output_hidden_states=False,
+        output_hidden_states=None,
         return_dict=None,
         **kwargs,
     ):
-        _check_no_attention_weights(kwargs)
+        _check_supported_arguments(self.config, kwargs)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -549,26 +570,22 @@ class FAT5Stack(nn.Module):
 
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
         # as a reference to the first block, whose parameters FSDP shards again once it has run
-        shared_position = None
+        shared_position = ()
         all_hidden_states = () if output_hidden_states else None
         hidden_states = self.dropout(inputs_embeds)
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, shared_position = block(
-                hidden_states,
-                layout,
-                encoder_hidden_states,
-                encoder_layout,
-                shared_position,
-                past_key_values,
+            hidden_states, *shared_position = block(
+                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, *shared_position
             )
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPastAndCrossAttentions(
+        output = BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
         )
+        return _as_requested(output, return_dict, self.config)
 
 
 @dataclass
@@ -578,11 +595,35 @@ class FAT5Seq2SeqLMOutput(Seq2SeqLMOutput):
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
 
+    def to_tuple(self) -> tuple:
+        # T5's tuple (``return_dict=False``): the parts of the loss are named fields only, so that every position of
+        # the tuple holds what it holds in T5's
+        return tuple(value for name, value in self.items() if name not in ("ce_loss", "z_loss"))
 
-def _check_no_attention_weights(kwargs: dict) -> None:
-    if kwargs.get("output_attentions"):
+
+def _as_requested(output, return_dict: bool | None, config: FAT5Config):
+    """T5's ``return_dict``: the ModelOutput, or its tuple when False (the argument, else ``config.return_dict``)."""
+    return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
+
+# T5's masks over attention heads (transformers 5's T5 no longer reads them)
+_HEAD_MASKS = ("head_mask", "decoder_head_mask", "cross_attn_head_mask")
+
+
+def _check_supported_arguments(config: FAT5Config, kwargs: dict) -> None:
+    """Refuse by name what the fused attention cannot do, instead of silently returning or computing something else."""
+    output_attentions = kwargs.get("output_attentions")
+    if output_attentions if output_attentions is not None else config.output_attentions:
         raise ValueError(
-            "FAT5's fused attention never materialises attention weights, so output_attentions=True is not supported"
+            "output_attentions=True (argument or config.output_attentions) is not supported: FAT5's fused attention "
+            "never materialises the attention probabilities. To inspect them, export the model with `fat5 export-hf` "
+            '(T5 position encoding) and load it in transformers\' T5 with attn_implementation="eager"'
+        )
+    head_masks = [name for name in _HEAD_MASKS if kwargs.get(name) is not None]
+    if head_masks:
+        raise ValueError(
+            f"{', '.join(head_masks)} is not supported: FAT5's fused attention cannot mask or weight single heads "
+            "(transformers 5 removed these arguments from T5 too)"
         )
 
 
@@ -602,6 +643,24 @@ class FAT5PreTrainedModel(PreTrainedModel):
         "lm_head.weight": "shared.weight",
     }
 
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """FAT5's attention is its own kernels (``config.attention_backend``), never one of transformers' attention
+        functions, so ``attn_implementation`` has nothing to choose. "eager" (what transformers falls back to) and
+        "sdpa" (what scripts ask of every model) load the model unchanged; the others are refused by name, rather
+        than with transformers' advice to ask for support that FAT5 will never need."""
+        if requested_attention in (None, "eager", "sdpa"):
+            if requested_attention == "sdpa":
+                logger.warning_once(
+                    'FAT5 ignores attn_implementation="sdpa": its attention runs in its own fused kernels, chosen '
+                    f"by config.attention_backend ({self.config.attention_backend!r})"
+                )
+            return "eager"
+        raise ValueError(
+            f"attn_implementation={requested_attention!r} is not supported: FAT5's attention runs in its own fused "
+            "kernels, chosen by config.attention_backend ('auto', 'triton' or 'reference'); leave attn_implementation "
+            "unset"
+        )
+
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # The stacks use the model's embedding module itself, always; lm_head shares its weight only when the config
         # says so. (transformers' default ties nothing at all when tie_word_embeddings is False, FLAN-T5's case.)
@@ -619,6 +678,13 @@ class FAT5PreTrainedModel(PreTrainedModel):
             init.constant_(module.weight, factor)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=factor)
+        elif isinstance(module, nn.Linear):
+            # T5's rule (transformers' default for a Linear) for one that no branch below owns: the lm_head that
+            # resize_token_embeddings builds for an untied head. Every projection of the model is drawn again by its
+            # module's branch, which runs after its children's.
+            init.normal_(module.weight, mean=0.0, std=factor)
+            if module.bias is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, FAT5Attention):
             init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
             init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
@@ -725,7 +791,7 @@ class FAT5Model(FAT5PreTrainedModel):
         return_dict=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
-        _check_no_attention_weights(kwargs)
+        _check_supported_arguments(self.config, kwargs)
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
             past_key_values, inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache,
@@ -738,21 +804,26 @@ class FAT5Model(FAT5PreTrainedModel):
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
 
 def _encode_decode(
     model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
     inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache, output_hidden_states,
 ):
-    """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked."""
+    """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked.
+
+    The caller has refused output_attentions already: the stacks are told False, so that an explicit False is not
+    overruled by config.output_attentions."""
     if encoder_outputs is None:
         encoder_outputs = model.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             segment_ids=segment_ids,
-            output_hidden_states=bool(output_hidden_states),
+            output_hidden_states=output_hidden_states,
+            output_attentions=False,
+            return_dict=True,
         )
     elif not isinstance(encoder_outputs, BaseModelOutput):
         encoder_outputs = BaseModelOutput(
@@ -773,7 +844,9 @@ def _encode_decode(
         encoder_attention_mask=attention_mask,
         encoder_segment_ids=segment_ids,
         past_key_values=past_key_values,
-        output_hidden_states=bool(output_hidden_states),
+        output_hidden_states=output_hidden_states,
+        output_attentions=False,
+        return_dict=True,
     )
     return encoder_outputs, decoder_outputs
 
@@ -840,7 +913,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         num_items_in_batch=None,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
-        _check_no_attention_weights(kwargs)
+        _check_supported_arguments(self.config, kwargs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             if decoder_segment_ids is not None:
                 raise ValueError("packed rows need decoder_input_ids shifted per segment; the model cannot shift them")
@@ -868,7 +941,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             ce_loss=ce_loss,
             z_loss=z_loss,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
@@ -910,16 +983,18 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
         return_dict=None,
         **kwargs,
     ) -> BaseModelOutput:
-        _check_no_attention_weights(kwargs)
+        _check_supported_arguments(self.config, kwargs)
         outputs = self.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             segment_ids=segment_ids,
-            output_hidden_states=bool(output_hidden_states),
+            output_hidden_states=output_hidden_states,
+            output_attentions=False,
+            return_dict=True,
         )
         output = BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
 
 class _FAT5EncoderWithHead(FAT5PreTrainedModel):
@@ -940,12 +1015,14 @@ class _FAT5EncoderWithHead(FAT5PreTrainedModel):
         self.encoder.embed_tokens = new_embeddings
 
     def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs):
-        _check_no_attention_weights(kwargs)
+        _check_supported_arguments(self.config, kwargs)
         return self.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            output_hidden_states=bool(output_hidden_states),
+            output_hidden_states=output_hidden_states,
+            output_attentions=False,
+            return_dict=True,
         )
 
 
@@ -993,7 +1070,7 @@ class FAT5ForSequenceClassification(_FAT5EncoderWithHead):
         if labels is not None:
             loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
 
 def _sequence_classification_loss(config, logits, labels, num_items_in_batch=None):
@@ -1050,7 +1127,7 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
             if num_items_in_batch is not None:
                 loss = loss / num_items_in_batch
         output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
 
 class FAT5ForQuestionAnswering(_FAT5EncoderWithHead):
@@ -1085,7 +1162,7 @@ class FAT5ForQuestionAnswering(_FAT5EncoderWithHead):
         output = QuestionAnsweringModelOutput(
             loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
         )
-        return output if return_dict is not False else output.to_tuple()
+        return _as_requested(output, return_dict, self.config)
 
 
 __all__ = [
