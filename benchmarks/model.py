@@ -162,6 +162,13 @@ def train_step_factory(model, input_ids, labels, **inputs):
     return step, optimizer
 
 
+def set_activation_checkpointing(model, enabled: bool) -> None:
+    """Turn checkpointing of the blocks on or off: transformers >= 5.23 calls it activation checkpointing (its
+    gradient_checkpointing_* names warn that they go in v6), older releases have only those."""
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{prefix}_checkpointing_{'enable' if enabled else 'disable'}")()
+
+
 def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=False, packed_examples=0):
     """Training steps at each encoder length. With ``packed_examples``, every row packs that many examples
     (``packed_batch``): tokens/s then counts the real tokens, and MFU each example's own attention."""
@@ -172,7 +179,7 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
         decoder_length = max(length // 4, 1)
         release()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            set_activation_checkpointing(model, True)
         row = dict(implementation=name, encoder_length=length, batch=batch, checkpointing=checkpointing)
         try:
             if packed_examples:
@@ -204,7 +211,7 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
         finally:
             model.zero_grad(set_to_none=True)
             if checkpointing:
-                model.gradient_checkpointing_disable()
+                set_activation_checkpointing(model, False)
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -214,7 +221,7 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
     """Double the batch-1 encoder length until a training step runs out of memory."""
     longest, length = None, start
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        set_activation_checkpointing(model, True)
     while length <= stop:
         release()
         try:
@@ -232,7 +239,7 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
         print(longest, flush=True)
         length *= 2
     if checkpointing:
-        model.gradient_checkpointing_disable()
+        set_activation_checkpointing(model, False)
     return longest
 
 
