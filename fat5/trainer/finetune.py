@@ -612,7 +612,7 @@ def _data_collator(task: str, tokenizer, pad_to_multiple_of):
 
 def training_arguments(config: dict, has_eval_data: bool):
     """`FAT5TrainingArguments` from the ``training`` section plus the job's defaults (see the module doc)."""
-    from .trainer import FAT5TrainingArguments
+    from .trainer import FAT5TrainingArguments, check_training_arguments
 
     defaults = {"train_sampling_strategy": "group_by_length", "report_to": "none"}
     if config["task"] == "seq2seq" and has_eval_data:
@@ -624,20 +624,15 @@ def training_arguments(config: dict, has_eval_data: bool):
             arguments[name] = "no"
     if config["task"] != "seq2seq" and arguments.get("predict_with_generate"):
         raise FAT5Error(f"training.predict_with_generate needs task seq2seq, not {config['task']}")
+    check_training_arguments(arguments)
     fields = FAT5TrainingArguments.__dataclass_fields__
     for name, value in arguments.items():
-        choices = fields[name].metadata.get("choices") if name in fields else None
+        choices = fields[name].metadata.get("choices")
         if choices and value is not None and value not in choices:
             raise FAT5Error(f"training.{name} must be one of {list(choices)}, got {value!r}")
     try:
         return FAT5TrainingArguments(**arguments)
-    except TypeError as error:
-        unknown = sorted(set(arguments) - set(fields))
-        hint = ""
-        if "group_by_length" in unknown:
-            hint = " (transformers 5 writes it train_sampling_strategy: group_by_length)"
-        raise FAT5Error(f"training: {unknown or error} not FAT5TrainingArguments field(s){hint}") from None
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise FAT5Error(f"training: {error}") from None
 
 

@@ -19,6 +19,15 @@ from ..errors import FAT5Error
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pretrain_default.yaml"
 SECTIONS = ("seed", "model", "tokenizer", "data", "ul2", "training")
+# the keys the job reads from these sections (model: FAT5Config fields, training: FAT5TrainingArguments fields); a
+# misspelt one would otherwise be ignored without a word
+TOKENIZER_KEYS = ("path", "vocab_size", "num_sentinels", "train_on_documents")
+DATA_KEYS = ("corpus", "unit", "eval_fraction", "max_eval_documents", "path", "name", "data_files", "split",
+             "eval_split", "streaming", "text_column", "max_input_length", "max_target_length", "tokens_per_batch",
+             "num_proc")
+# data lengths and counts the packing computes with; null where the job accepts none
+DATA_INTEGERS = {"max_input_length": False, "tokens_per_batch": False, "max_target_length": True,
+                 "max_eval_documents": True, "num_proc": True}
 
 
 def load_config(config=None) -> dict:
@@ -47,7 +56,30 @@ def load_config(config=None) -> dict:
             merged[section].update(value)
         else:
             merged[section] = value
+    _check_sections(merged)
     return merged
+
+
+def _check_sections(settings: dict) -> None:
+    """Raise FAT5Error for an unknown key in the tokenizer, data, model or training section, or a data length, count
+    or training field of the wrong type."""
+    from .. import FAT5Config
+    from .trainer import check_training_arguments
+
+    for section in ("model", "tokenizer", "data", "training"):
+        if not isinstance(settings.get(section), dict):
+            raise FAT5Error(f"the {section} section must be a mapping, got {settings.get(section)!r}")
+    known = {"tokenizer": TOKENIZER_KEYS, "data": DATA_KEYS, "model": tuple(FAT5Config().to_dict())}
+    for section, keys in known.items():
+        unknown = sorted(set(settings[section]) - set(keys))
+        if unknown:
+            known_ones = "they are no FAT5Config fields" if section == "model" else f"its keys are {', '.join(keys)}"
+            raise FAT5Error(f"unknown key(s) {unknown} in the {section} section: {known_ones}")
+    for name, may_be_null in DATA_INTEGERS.items():
+        value = settings["data"].get(name)
+        if not (value is None and may_be_null) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise FAT5Error(f"data.{name} must be an integer >= 1{' or null' if may_be_null else ''}, got {value!r}")
+    check_training_arguments({key: value for key, value in settings["training"].items() if key != "output_dir"})
 
 
 def _texts_for_tokenizer(dataset, limit: int | None, text_column: str):

@@ -6,6 +6,8 @@ to every training log, and routes transformers' ``label_smoothing_factor`` into 
 """
 
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +49,59 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
         super().__post_init__()
 
 
+# what a scalar field of the training arguments may hold; YAML gives these types, and a value of another one reaches
+# the Trainer unchecked (a learning rate written 3e-4 is the string "3e-4" in YAML 1.1, a TypeError deep in the optimizer)
+_SCALAR_KINDS = {int: "an integer", float: "a number", bool: "true or false", type(None): "null"}
+
+
+def _accepts(kind, value) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+
+
+def _parses_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_training_arguments(arguments: dict, where: str = "training") -> None:
+    """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field or a value of the wrong
+    type in one of its scalar fields (integers, numbers, booleans); the fields that take strings are transformers'."""
+    from ..errors import FAT5Error
+
+    fields = typing.get_type_hints(FAT5TrainingArguments)
+    unknown = sorted(set(arguments) - set(fields))
+    if unknown:
+        hint = (" (transformers 5 writes it train_sampling_strategy: group_by_length)"
+                if "group_by_length" in unknown else "")
+        raise FAT5Error(f"{where}: {unknown} not FAT5TrainingArguments field(s){hint}")
+    for name, value in arguments.items():
+        annotation = fields[name]
+        is_union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+        kinds = typing.get_args(annotation) if is_union else (annotation,)
+        if not set(kinds) <= set(_SCALAR_KINDS) or any(_accepts(kind, value) for kind in kinds):
+            continue
+        expected = " or ".join(_SCALAR_KINDS[kind] for kind in kinds)
+        message = f"{where}.{name} must be {expected}, got {value!r}"
+        if isinstance(value, str) and float in kinds and "." not in value and _parses_as_number(value):
+            message += " (YAML reads a number without a dot, like 3e-4, as text: write 3.0e-4)"
+        raise FAT5Error(message)
+    if arguments.get("report_to") not in (None, "none", ["none"]):
+        from transformers.integrations import get_reporting_integration_callbacks
+
+        # the Trainer looks its reporters up only when it is built, deep in the job
+        try:
+            get_reporting_integration_callbacks(arguments["report_to"])
+        except ValueError as error:
+            raise FAT5Error(f"{where}.report_to: {error}") from None
+
+
 def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
     """Real tokens (encoder inputs plus, for seq2seq, labelled decoder positions) and slots of one batch."""
     input_ids = inputs["input_ids"]
@@ -84,6 +139,16 @@ def require_full_state_dict(trainer) -> None:
                             "config's deepspeed_config, or use ZeRO-2 (examples/accelerate/deepspeed_zero2.yaml)")
 
 
+def _fused_loss_config(model):
+    """The config whose ``label_smoothing`` the loss of ``model`` reads (FAT5's fused LM loss), or None for a model
+    whose loss does not (transformers' T5, FAT5's encoder heads). ``model`` may be a PEFT model; the class is matched
+    by name so that a FAT5 loaded as remote code counts too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if any(cls.__name__ == "FAT5ForConditionalGeneration" for cls in type(base).__mro__):
+        return base.config
+    return None
+
+
 def _yields_batches(dataset) -> bool:
     from .packing import PackedStreamDataset
 
@@ -94,9 +159,15 @@ class FAT5Trainer(Seq2SeqTrainer):
     """A ``Seq2SeqTrainer`` for FAT5 models; every argument is the parent's.
 
     Training logs gain ``ce_loss`` and ``z_loss`` (their means since the last log), ``tokens_per_second`` (real
-    tokens, encoder and labelled decoder positions, per second of wall time since the last log, all processes) and
+    tokens, encoder and labelled decoder positions, per second of wall time from the first training batch after the
+    last log to this log, all processes: the evaluations, checkpoints and set-up between windows do not count) and
     ``padding_fraction`` (the share of batch slots that held padding); under several processes each is the figure
     of the whole job (losses averaged over every process's batches, tokens and slots summed).
+
+    ``label_smoothing_factor`` smooths FAT5's fused loss, in training and evaluation, with the z-loss kept (where
+    transformers' LabelSmoother, which takes the labels away from the model, would drop it); the model's saved config
+    keeps its own ``label_smoothing``. A model without that loss (transformers' T5, FAT5's encoder heads) gets
+    transformers' LabelSmoother, as under ``Seq2SeqTrainer``.
 
     Packed UL2 batches come from a batch sampler (``train_batch_sampler`` / ``eval_batch_sampler``, e.g.
     :class:`~fat5.trainer.packing.UL2PackedBatchSampler`, whose batches depend only on its seed and the epoch, so a
@@ -108,10 +179,12 @@ class FAT5Trainer(Seq2SeqTrainer):
         self.train_batch_sampler = train_batch_sampler
         self.eval_batch_sampler = eval_batch_sampler
         super().__init__(*args, **kwargs)
+        self._smoothed_loss_config = None
         if self.args.label_smoothing_factor > 0:
-            # the fused loss smooths labels itself; transformers' smoother would take the labels away from the model
-            self.accelerator.unwrap_model(self.model).config.label_smoothing = self.args.label_smoothing_factor
-            self.label_smoother = None
+            # the fused loss smooths labels itself (see compute_loss_context_manager)
+            self._smoothed_loss_config = _fused_loss_config(self.accelerator.unwrap_model(self.model))
+            if self._smoothed_loss_config is not None:
+                self.label_smoother = None
         self._reset_window()
 
     def _build_accelerator_args(self, **kwargs) -> dict:
@@ -150,15 +223,37 @@ class FAT5Trainer(Seq2SeqTrainer):
             return self._batch_loader(dataset, None)
         return super().get_eval_dataloader(eval_dataset)
 
+    def compute_loss_context_manager(self):
+        stack = super().compute_loss_context_manager()
+        if self._smoothed_loss_config is not None:
+            # the Trainer's forward passes (training and evaluation) run in here: the factor holds for them only, so
+            # that the config saved with the model and checkpoints keeps the model's own label_smoothing
+            config, own_smoothing = self._smoothed_loss_config, self._smoothed_loss_config.label_smoothing
+            config.label_smoothing = self.args.label_smoothing_factor
+            stack.callback(setattr, config, "label_smoothing", own_smoothing)
+        return stack
+
     def _reset_window(self) -> None:
         self._window_loss_parts = None
         self._window_batches = 0
         self._window_parts_are_shares = False
         self._window_tokens = None
         self._window_slots = 0
-        self._window_start = time.perf_counter()
+        self._window_start = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            if self.label_names and all(inputs.get(name) is None for name in self.label_names):
+                # without labels FAT5 has no decoder inputs either, and would fail on those with a puzzling message
+                # (DataCollatorForSeq2Seq gives labels=None to a dataset without them)
+                given = sorted(name for name, value in inputs.items() if value is not None)
+                raise ValueError(
+                    f"FAT5Trainer: the training batch has no {self.label_names} (it holds {given}): the dataset "
+                    "needs a `labels` column (the target token ids), or the data collator must make one; the "
+                    "Trainer drops columns that the model's forward does not take (remove_unused_columns)"
+                )
+            if self._window_start is None:
+                self._window_start = time.perf_counter()
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             # kept on the device: adding them up here costs no synchronisation, the log reads them once
