@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -8,6 +10,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# real text for the tiny tokenizers and finetuning runs (Shakespeare's speeches, shipped with the tests)
+DATA = REPO / "tests" / "data" / "shakespeare_speeches.jsonl"
+ROWS = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster when other processes share the cores (a module opts in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny FAT5 and its tokenizer, trained on the speeches (``fat5.trainer.finetune.make_tiny_model``)."""
+    from fat5.trainer.finetune import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", [row["document"] for row in ROWS])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA, REPO, ROWS
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, EvalPrediction
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -40,24 +41,10 @@ from fat5.trainer.metrics import (
     token_classification_metric,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data" / "shakespeare_speeches.jsonl"
-ROWS = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
 QUIET = {"disable_tqdm": True, "report_to": "none", "save_strategy": "no", "use_cpu": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", [row["document"] for row in ROWS])
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import time
 
 import pytest
 import torch
-from test_finetune import DATA, ROWS, seq2seq_config
+from conftest import DATA, ROWS
+from test_finetune import seq2seq_config
 from test_pretrain import SMALL
 from transformers import (
     AutoTokenizer,
@@ -24,7 +25,7 @@ from transformers import (
 )
 
 from fat5 import FAT5Error, FAT5ForConditionalGeneration, FAT5ForSequenceClassification
-from fat5.trainer.finetune import finetune, make_tiny_model
+from fat5.trainer.finetune import finetune
 from fat5.trainer.pretrain import load_config
 from fat5.trainer.trainer import FAT5Trainer, FAT5TrainingArguments
 
@@ -33,18 +34,7 @@ SGD_STEP = {"max_steps": 1, "learning_rate": 1.0, "optim": "sgd", "lr_scheduler_
             "weight_decay": 0.0, "max_grad_norm": 0.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("parity") / "model", [row["document"] for row in ROWS])
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
