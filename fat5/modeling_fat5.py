@@ -7,6 +7,7 @@ batches and packed batches (several examples per row, ``segment_ids``) share one
 cross-entropy with z-loss.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -64,13 +65,23 @@ class TokenLayout:
         return self.cu_seqlens is not None
 
     @classmethod
-    def padded(cls, batch_size, length, attention_mask=None, offset=0, device=None) -> "TokenLayout":
+    def padded(
+        cls, batch_size, length, attention_mask=None, offset=0, device=None, mask_name="attention_mask"
+    ) -> "TokenLayout":
+        """A mask must cover the cached tokens and the new ones, ``offset + length``. With a static cache the offset
+        is a tensor on the device, not read back here: the attention pads such a mask to the cache's whole buffer."""
         position_ids = (torch.arange(length, device=device) + offset).expand(batch_size, length)
         padding_mask = None
         if attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
                 raise ValueError(
-                    f"attention_mask must be (batch, length) with batch {batch_size}, got {tuple(attention_mask.shape)}"
+                    f"{mask_name} must be (batch, length) with batch {batch_size}, got {tuple(attention_mask.shape)}"
+                )
+            if isinstance(offset, int) and attention_mask.shape[1] != offset + length:
+                cached = f" ({offset} cached and {length} new)" if offset else ""
+                raise ValueError(
+                    f"{mask_name}: the attention mask covers {attention_mask.shape[1]} positions but there are "
+                    f"{offset + length} tokens{cached}"
                 )
             padding_mask = attention_mask.to(device=device, dtype=torch.bool)
         return cls(position_ids=position_ids, query_offset=offset, padding_mask=padding_mask)
@@ -405,7 +416,8 @@ class FAT5Attention(nn.Module):
             if key_padding_mask is not None and key_padding_mask.shape[1] != key_length:
                 raise ValueError(
                     f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
-                    "keys (when decoding with a cache, the decoder mask must cover the cached tokens too)"
+                    "keys (a decoder mask wider than the static cache it decodes into, or a cache filled for other "
+                    "inputs)"
                 )
             output = attention(
                 query, key, value,
@@ -550,7 +562,10 @@ class FAT5Stack(nn.Module):
             if isinstance(offset, torch.Tensor):
                 # a static cache's length: a tensor that each layer's update advances in place, so read it once here
                 offset = offset.clone()
-            layout = TokenLayout.padded(batch_size, length, attention_mask, offset, inputs_embeds.device)
+            layout = TokenLayout.padded(
+                batch_size, length, attention_mask, offset, inputs_embeds.device,
+                mask_name="decoder_attention_mask" if self.is_decoder else "attention_mask",
+            )
 
         encoder_layout = None
         if encoder_hidden_states is not None:
@@ -565,7 +580,8 @@ class FAT5Stack(nn.Module):
                 if layout.is_packed:
                     raise ValueError("packed decoder rows (decoder_segment_ids) need the encoder's segment_ids")
                 encoder_layout = TokenLayout.padded(
-                    batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device
+                    batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device,
+                    mask_name="the encoder's attention_mask",
                 )
 
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
@@ -945,6 +961,33 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """A static cache given as ``past_key_values`` must hold every position that ``generate`` writes (the ones it
+        sizes itself do): past its end, the cache's ``index_copy_`` fails in the middle of decoding, on a GPU as a
+        device-side assert that takes the process's CUDA context with it (transformers' T5 does not check either).
+        The other arguments pass through untouched: this private hook's signature is transformers' to change."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        # the decoder writes every position but the last one it generates
+        max_cache_length = generation_config.max_length - 1
+        cache = model_kwargs.get("past_key_values")
+        if not isinstance(cache, EncoderDecoderCache):
+            return
+        for layer in cache.self_attention_cache.layers:
+            if getattr(layer, "is_compileable", False) and layer.max_cache_len < max_cache_length:
+                raise ValueError(
+                    f"past_key_values is a static cache of {layer.max_cache_len} positions, but generate writes up to "
+                    f"{max_cache_length} decoder positions (max_length - 1): give a StaticCache with max_cache_len >= "
+                    f"{max_cache_length}, or pass cache_implementation=\"static\" and let generate size it"
+                )
+
+    def _expand_inputs_for_generation(self, *args, **model_kwargs):
+        # transformers repeats encoder_outputs for beams and num_return_sequences in place: the caller's own encoder
+        # outputs, given so that the encoder runs once for several calls, would come back expanded and break the next
+        # call (T5's as well). A shallow copy takes the repeated tensors instead.
+        if model_kwargs.get("encoder_outputs") is not None:
+            model_kwargs["encoder_outputs"] = copy.copy(model_kwargs["encoder_outputs"])
+        return super()._expand_inputs_for_generation(*args, **model_kwargs)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
         """``generate`` builds a 4-D causal mask when it decodes into a static cache; FAT5's kernels mask causally from
