@@ -19,7 +19,9 @@ def _truth(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0
     counted = labels != ignore_index
     log_probs = torch.log_softmax(logits, dim=-1)
     nll = -log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    per_token = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(dim=-1)
+    per_token = (1 - label_smoothing) * nll
+    if label_smoothing > 0:  # kept out otherwise: 0 * mean = NaN over a masked (-inf) vocabulary
+        per_token = per_token - label_smoothing * log_probs.mean(dim=-1)
     z = z_loss * torch.logsumexp(logits, dim=-1).square()
     ce_sum = (per_token * counted).sum()
     z_sum = (z * counted).sum()
@@ -100,6 +102,32 @@ def test_launch_configs_compute_the_same_function(config):
     assert abs(losses[1].item() - expected_z.item()) <= 1e-5 * expected_z.item()
     expected_grad = _truth_grad(logits, labels, label_smoothing=0.1, z_loss=1e-3)
     assert _relative_error(grad, expected_grad) < 1e-4
+
+
+@pytest.mark.parametrize("vocab_size", [2500, 3072])  # a partial last block, and blocks that divide the vocabulary
+def test_masked_vocabulary_and_labels_on_block_edges(vocab_size):
+    # -inf logits (a masked or padded vocabulary) over a whole first block, a whole last block, or all but the label;
+    # labels on the first and last column and on a block boundary, where the kernel's unmasked and masked blocks meet.
+    from fat5.kernels import cross_entropy_triton
+
+    logits = torch.randn(6, vocab_size) * 3.0
+    logits[0, :1024] = -float("inf")
+    logits[1, 2048:] = -float("inf")
+    logits[2, :] = -float("inf")
+    logits[2, 1024] = 0.5
+    labels = torch.tensor([vocab_size - 1, 0, 1024, 1023, 2048, -100])
+    expected_ce, expected_z = _truth(logits, labels, z_loss=1e-3)
+    expected_grad = _truth_grad(logits, labels, z_loss=1e-3)
+    normaliser = torch.tensor(5.0)
+    for config in ({"block_size": 1024, "num_warps": 4}, {"block_size": 1024, "programs_per_sm": 1}, {}):
+        grad = torch.full_like(logits, float("nan"))
+        losses, _ = cross_entropy_triton.cross_entropy_forward(
+            logits, labels, normaliser, grad, -100, 0.0, 1e-3, **config
+        )
+        assert abs(losses[0].item() - expected_ce.item()) <= 1e-5 * expected_ce.item()
+        assert abs(losses[1].item() - expected_z.item()) <= 1e-5 * expected_z.item()
+        assert torch.isfinite(grad).all() and torch.equal(grad[5], torch.zeros(vocab_size))
+        assert _relative_error(grad, expected_grad) < 1e-5
 
 
 def test_matches_torch_cross_entropy_with_label_smoothing():
