@@ -2,7 +2,9 @@
 
 bf16 logits, z-loss 1e-4, every token counted (no ignored rows to skip), in one process on one GPU. Each variant is
 first checked against the fp32 reference; then timed with ``triton.testing.do_bench`` (median, L2 flushed before
-every repetition) and its peak memory beyond the inputs is read. ``--sweep`` also times the forward kernel (which
+every repetition) and its peak memory beyond the inputs is read. The forward+backward is also replayed from a CUDA
+graph with the same flush (``cudagraph_ms``, where it can be captured): at 32k classes the eager call is within
+the host's reach, and the host's speed moves it from run to run. ``--sweep`` also times the forward kernel (which
 writes the gradient) over (BLOCK_SIZE, num_warps).
 
     python benchmarks/cross_entropy.py --sweep --out benchmarks/results/cross_entropy.json
@@ -18,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_gbs, markdown_table, relative_error, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, markdown_table, relative_error, write_result
 
 DEVICE = "cuda"
 SHAPES = [(8192, 32128), (4096, 250112)]
@@ -36,6 +38,7 @@ SWEEP = [
     {"block_size": 32768, "num_warps": 16, "programs_per_sm": 1, "eviction": True},
     {"block_size": 32768, "num_warps": 16, "programs_per_sm": 2, "eviction": True},
     {"block_size": 32768, "num_warps": 32, "programs_per_sm": 1, "eviction": True},
+    {"block_size": 32768, "num_warps": 32, "programs_per_sm": 2, "eviction": True},
 ]
 
 
@@ -73,7 +76,7 @@ def check(fn, logits, labels, reference_loss, reference_grad) -> dict:
     }
 
 
-def time_and_memory(fn, logits, labels) -> dict:
+def time_and_memory(fn, logits, labels, graph=False) -> dict:
     import triton.testing
 
     leaf = logits.clone().requires_grad_()
@@ -90,8 +93,13 @@ def time_and_memory(fn, logits, labels) -> dict:
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
     leaf.grad = None
-    ms = triton.testing.do_bench(step, grad_to_none=[leaf], return_mode="median")
-    return {"ms": ms, "peak_extra_mib": peak_extra / 2**20}
+    result = {
+        "ms": triton.testing.do_bench(step, grad_to_none=[leaf], return_mode="median"),
+        "peak_extra_mib": peak_extra / 2**20,
+    }
+    if graph:
+        result["cudagraph_ms"] = cold_graph_ms(step, [leaf])
+    return result
 
 
 def forward_only_ms(logits, labels) -> float:
@@ -169,7 +177,9 @@ def run(args) -> dict:
         for name, fn in table.items():
             measured = check(fn, logits, labels, reference_loss, reference_grad)
             torch.cuda.empty_cache()
-            measured.update(time_and_memory(fn, logits, labels))
+            # Only FAT5 is replayed from a graph: Liger's backward compares its upstream gradient on the host, which a
+            # capture refuses (and a failed capture leaves the process unable to run the rest).
+            measured.update(time_and_memory(fn, logits, labels, graph=name.startswith("fat5")))
             torch.cuda.empty_cache()
             entry["variants"][name] = measured
             print(f"{n_rows}x{vocab_size} {name}: {measured}")
@@ -189,6 +199,9 @@ def run(args) -> dict:
     small, large = results
     best_small = min(small["variants"][name]["ms"] for name in ("fat5", "fat5 inplace"))
     targets = {"fat5_ms_8192x32128": best_small, "target_ms_8192x32128": TARGET_MS_32K, "met_ms": best_small <= TARGET_MS_32K}
+    graph_small = [small["variants"][name].get("cudagraph_ms") for name in ("fat5", "fat5 inplace")]
+    if None not in graph_small:
+        targets.update(fat5_cudagraph_ms_8192x32128=min(graph_small), met_ms_cudagraph=min(graph_small) <= TARGET_MS_32K)
     if "liger (inplace)" in large["variants"]:
         liger = large["variants"]["liger (inplace)"]
         ours = large["variants"]["fat5 inplace"]
@@ -247,10 +260,10 @@ def main():
     document = run(args)
     rows = [
         {"shape": f"{entry['rows']}x{entry['vocab_size']}", "variant": name, "ms": f"{v['ms']:.3f}",
-         "peak MiB": f"{v['peak_extra_mib']:.0f}", "grad err": f"{v['grad_rel_error']:.1e}"}
+         "graph ms": f"{v['cudagraph_ms']:.3f}" if "cudagraph_ms" in v else "-", "peak MiB": f"{v['peak_extra_mib']:.0f}", "grad err": f"{v['grad_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    print(markdown_table(rows, ["shape", "variant", "ms", "peak MiB", "grad err"]))
+    print(markdown_table(rows, ["shape", "variant", "ms", "graph ms", "peak MiB", "grad err"]))
     try:
         plot(document, args.out.replace(".json", ".png"))
     except ImportError as error:

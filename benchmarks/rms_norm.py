@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_gbs, markdown_table, relative_error, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, markdown_table, relative_error, write_result
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -91,41 +91,6 @@ def timings(fn, x, w, grad_output) -> dict:
     except Exception as error:  # noqa: BLE001 - graph capture of a backward may fail; the eager figure stands
         result["cudagraph_error"] = str(error)[:200]
     return result
-
-
-def cold_graph_ms(function, leaves, repeats=100) -> float:
-    """Median device time of ``function`` replayed from a CUDA graph, L2 flushed before each replay as do_bench does.
-
-    The eager forward+backward of a norm is two kernels of 30-130 µs behind a ``backward()`` call whose hand-off to
-    the autograd engine's device thread takes the host 0.2-0.6 ms, and that wait, not the kernels, sets the eager
-    figure (the same code measured 0.23-0.63 ms at d 512-1024 over four runs on one H100); a 25 µs forward at d 512
-    also moves with the host (1.27x and 1.63x the floor in two runs). The replay keeps only what the GPU does, for
-    FAT5 and Liger alike.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture (autograd allocates its buffers here)
-        for _ in range(3):
-            for leaf in leaves:
-                leaf.grad = None
-            function()
-    torch.cuda.current_stream().wait_stream(side)
-    for leaf in leaves:
-        leaf.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        function()
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    for leaf in leaves:
-        leaf.grad = None
-    return sorted(start.elapsed_time(end) for start, end in events)[repeats // 2]
 
 
 def sweep(x, w, grad_output) -> dict:
