@@ -53,6 +53,12 @@ class FAT5Config(PretrainedConfig):
         label_smoothing (`float`, defaults to 0.0): label smoothing of the cross-entropy.
         use_fused_cross_entropy (`bool`, defaults to `True`): compute the loss with the fused kernel where the
             backend allows (it never materialises fp32 copies of the logits).
+        use_chunked_lm_loss (`bool`, defaults to `False`): while training with labels, compute the loss from the
+            decoder's output in chunks of rows (`kernels.linear_cross_entropy`) so that the logits are never
+            materialised, at the price of computing them twice; for large vocabularies (mT5's 250k: 4 GB of bf16
+            logits for 8192 decoder tokens, their gradient as much again). `logits` is then `None` in the training
+            forward's output; evaluation and generation compute them as usual. Ignored when the output layer is not
+            a bare `nn.Linear` (a PEFT adapter on it) or under `torch.compile`.
         use_fused_rms_norm (`bool`, defaults to `True`): compute the RMS norms with the fused kernel where the
             backend allows.
         use_fused_activation (`bool`, defaults to `True`): compute the feed-forward activation (and its gate
@@ -105,6 +111,7 @@ class FAT5Config(PretrainedConfig):
         z_loss: float = 0.0,
         label_smoothing: float = 0.0,
         use_fused_cross_entropy: bool = True,
+        use_chunked_lm_loss: bool = False,
         use_fused_rms_norm: bool = True,
         use_fused_activation: bool = True,
         rope_theta: float = 10000.0,
@@ -137,6 +144,7 @@ class FAT5Config(PretrainedConfig):
         self.z_loss = z_loss
         self.label_smoothing = label_smoothing
         self.use_fused_cross_entropy = use_fused_cross_entropy
+        self.use_chunked_lm_loss = use_chunked_lm_loss
         self.use_fused_rms_norm = use_fused_rms_norm
         self.use_fused_activation = use_fused_activation
         self.rope_theta = rope_theta
@@ -230,6 +238,7 @@ class FAT5Config(PretrainedConfig):
             "scale_decoder_outputs",
             "position_bias_per_layer",
             "use_fused_cross_entropy",
+            "use_chunked_lm_loss",
             "use_fused_rms_norm",
             "use_fused_activation",
         ):

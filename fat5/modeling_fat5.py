@@ -32,6 +32,7 @@ from .configuration_fat5 import FAT5Config
 from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen
 from .kernels.cross_entropy import cross_entropy
+from .kernels.linear_cross_entropy import linear_cross_entropy
 from .kernels.position_bias import alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
@@ -753,17 +754,19 @@ class FAT5PreTrainedModel(PreTrainedModel):
         return shifted.masked_fill(shifted == -100, pad_token_id)
 
     def _lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None):
-        backend = self.config.attention_backend if self.config.use_fused_cross_entropy else "reference"
         ce_loss, z_loss = cross_entropy(
-            logits.view(-1, logits.shape[-1]),
-            labels.to(logits.device).view(-1),
-            ignore_index=-100,
-            label_smoothing=self.config.label_smoothing,
-            z_loss=self.config.z_loss,
+            logits.view(-1, logits.shape[-1]), labels.to(logits.device).view(-1), **self._lm_loss_options(),
             num_items_in_batch=num_items_in_batch,
-            backend=backend,
         )
         return ce_loss + z_loss, ce_loss, z_loss
+
+    def _lm_loss_options(self) -> dict:
+        return {
+            "ignore_index": -100,
+            "label_smoothing": self.config.label_smoothing,
+            "z_loss": self.config.z_loss,
+            "backend": self.config.attention_backend if self.config.use_fused_cross_entropy else "reference",
+        }
 
 
 class FAT5Model(FAT5PreTrainedModel):
@@ -942,11 +945,17 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             sequence_output = sequence_output * (self.model_dim**-0.5)
-        logits = self.lm_head(sequence_output)
-
-        loss = ce_loss = z_loss = None
-        if labels is not None:
-            loss, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
+        loss = ce_loss = z_loss = logits = None
+        if labels is not None and self._computes_chunked_lm_loss():
+            ce_loss, z_loss = linear_cross_entropy(
+                sequence_output, self.lm_head.weight, labels.to(sequence_output.device), **self._lm_loss_options(),
+                num_items_in_batch=num_items_in_batch,
+            )
+            loss = ce_loss + z_loss
+        else:
+            logits = self.lm_head(sequence_output)
+            if labels is not None:
+                loss, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
         output = FAT5Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -958,6 +967,16 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             z_loss=z_loss,
         )
         return _as_requested(output, return_dict, self.config)
+
+    def _computes_chunked_lm_loss(self) -> bool:
+        # A PEFT layer on the output layer adds to its weight's product: only a bare Linear's weight is the whole map.
+        return (
+            self.config.use_chunked_lm_loss
+            and self.training
+            and type(self.lm_head) is nn.Linear
+            and self.lm_head.bias is None
+            and not torch.compiler.is_compiling()
+        )
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)
