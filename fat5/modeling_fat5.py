@@ -870,6 +870,14 @@ def _encode_decode(
     return encoder_outputs, decoder_outputs
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     """FAT5 with its language-modelling head: training with fused cross-entropy + z-loss, and ``generate``.
 
@@ -969,12 +977,15 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         return _as_requested(output, return_dict, self.config)
 
     def _computes_chunked_lm_loss(self) -> bool:
-        # A PEFT layer on the output layer adds to its weight's product: only a bare Linear's weight is the whole map.
+        # The chunked loss reads lm_head.weight without calling lm_head: only a bare Linear's weight is the whole map
+        # (a PEFT layer adds its own product), and FSDP2 unshards a weight in its module's forward hook, so one that
+        # is still a DTensor (the output layer as its own FSDP unit) must go through the module.
         return (
             self.config.use_chunked_lm_loss
             and self.training
             and type(self.lm_head) is nn.Linear
             and self.lm_head.bias is None
+            and not _is_dtensor(self.lm_head.weight)
             and not torch.compiler.is_compiling()
         )
 

@@ -170,3 +170,24 @@ def test_model_trains_on_the_chunked_loss_as_on_the_logits(tie_word_embeddings, 
     with torch.no_grad():
         evaluated = chunked(**batch)
     assert evaluated.logits is not None and torch.allclose(evaluated.loss, expected.loss, rtol=1e-5)
+
+
+def test_model_keeps_the_logits_when_an_adapter_sits_on_the_output_layer():
+    # the chunked loss reads lm_head.weight alone; a LoRA layer on lm_head adds its own product, so the model must
+    # take the ordinary path (and give the adapter its gradient)
+    from peft import LoraConfig, get_peft_model
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = FAT5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, dropout_rate=0.0,
+        attention_backend="reference", decoder_start_token_id=0, pad_token_id=0, use_chunked_lm_loss=True,
+    )
+    model = get_peft_model(
+        FAT5ForConditionalGeneration(config), LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=False)
+    ).train()
+    output = model(input_ids=torch.randint(1, 64, (2, 6)), labels=torch.randint(1, 64, (2, 4)))
+    assert output.logits is not None
+    output.loss.backward()
+    assert all(parameter.grad is not None for name, parameter in model.named_parameters() if "lora_" in name)
