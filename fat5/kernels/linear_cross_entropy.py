@@ -37,20 +37,23 @@ def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         total += (a @ b).float()
 
 
+def _chunk_losses(logits, labels, normaliser, options, inplace_backward=False):
+    ignore_index, label_smoothing, z_loss, reduction, backend = options
+    return cross_entropy(
+        logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
+        num_items_in_batch=normaliser, inplace_backward=inplace_backward, backend=backend,
+    )
+
+
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, normaliser, options, chunk_rows, compute_dtype):
-        ignore_index, label_smoothing, z_loss, reduction, backend = options
         hidden_c, weight_c = hidden.to(compute_dtype), weight.to(compute_dtype)
         ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             logits = hidden_c[start : start + chunk_rows] @ weight_c.T
-            chunk_ce, chunk_z = cross_entropy(
-                logits, labels[start : start + chunk_rows], ignore_index=ignore_index,
-                label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction, num_items_in_batch=normaliser,
-                backend=backend,
-            )
+            chunk_ce, chunk_z = _chunk_losses(logits, labels[start : start + chunk_rows], normaliser, options)
             ce += chunk_ce
             z += chunk_z
         ctx.save_for_backward(hidden, weight, labels, normaliser)
@@ -60,7 +63,6 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
         hidden, weight, labels, normaliser = ctx.saved_tensors
-        ignore_index, label_smoothing, z_loss, reduction, backend = ctx.options
         # An output the loss did not use has no upstream gradient: zero, not the 1 autograd.grad would assume.
         upstream = [
             torch.zeros((), dtype=torch.float32, device=hidden.device) if grad is None else grad
@@ -68,23 +70,23 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ]
         hidden_c, weight_c = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
         grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = hidden_c[start : start + ctx.chunk_rows]
             with torch.enable_grad():
                 logits = (rows @ weight_c.T).requires_grad_()
-                chunk_losses = cross_entropy(
-                    logits, labels[start : start + ctx.chunk_rows], ignore_index=ignore_index,
-                    label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
-                    num_items_in_batch=normaliser, inplace_backward=True, backend=backend,
+                chunk_losses = _chunk_losses(
+                    logits, labels[start : start + ctx.chunk_rows], normaliser, ctx.options, inplace_backward=True
                 )
                 (grad_logits,) = torch.autograd.grad(chunk_losses, logits, upstream)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight_c, out=grad_hidden[start : start + ctx.chunk_rows])
-            if ctx.needs_input_grad[1]:
+            if grad_weight is not None:
                 _accumulate(grad_weight, grad_logits.T, rows)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
