@@ -165,6 +165,37 @@ def _cross_entropy_rescale_grad_kernel(
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
 
 
+@CachedLauncher
+@triton.jit
+def _cross_entropy_grad_from_lse_kernel(
+    logits_ptr, row_stride, labels_ptr, log_sum_exp_ptr, normaliser_ptr, grad_ce_ptr, grad_z_ptr,
+    n_cols, first_col, vocab_size, ignore_index, label_smoothing, z_loss,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One block of one row of a slice of the vocabulary (its first column is first_col); the row's logsumexp over the
+    # whole vocabulary was computed before, so the slice's gradient needs nothing beyond its own columns.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    col_mask = cols < n_cols
+    pointers = logits_ptr + row * row_stride + cols
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    if label == ignore_index:
+        tl.store(pointers, tl.zeros((BLOCK_SIZE,), dtype=logits_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        log_sum_exp = tl.load(log_sum_exp_ptr + row)
+        inverse_normaliser = 1.0 / tl.load(normaliser_ptr)
+        grad_ce = tl.load(grad_ce_ptr).to(tl.float32)
+        grad_z = tl.load(grad_z_ptr).to(tl.float32)
+        # g_ce * (p - target) / N + g_z * 2 z lse * p / N
+        probability_scale = (grad_ce + grad_z * 2.0 * z_loss * log_sum_exp) * inverse_normaliser
+        smoothing_term = grad_ce * label_smoothing / vocab_size * inverse_normaliser
+        label_term = grad_ce * (1.0 - label_smoothing) * inverse_normaliser
+        x = tl.load(pointers, mask=col_mask, other=0.0).to(tl.float32)
+        grad = tl.exp2((x - log_sum_exp) * 1.4426950408889634) * probability_scale - smoothing_term
+        grad = tl.where(cols + first_col == label, grad - label_term, grad)
+        tl.store(pointers, grad.to(logits_ptr.dtype.element_ty), mask=col_mask)
+
+
 # Measured on an H100 (benchmarks/results/cross_entropy.json, forward_kernel_sweep): at a 32k vocabulary two blocks
 # of 16k beat one of 32k held in registers; at 250k the row's second read misses L2 unless the first pass marks its
 # lines evict-last, the second evict-first, and a persistent grid keeps fewer rows in flight; 32 warps a program
@@ -227,4 +258,21 @@ def cross_entropy_rescale_grad(
         vocab_size, ignore_index, label_smoothing, z_loss,
         BLOCK_SIZE=block_size, NUM_BLOCKS=cdiv(vocab_size, block_size),
         num_warps=8 if block_size >= 4096 else 4,
+    )
+
+
+def cross_entropy_grad_from_lse(
+    logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, first_col, vocab_size, ignore_index, label_smoothing,
+    z_loss,
+):
+    """Overwrite ``logits`` (rows x a slice of the vocabulary starting at ``first_col``) with their gradient, given
+    each row's logsumexp over the whole vocabulary and the upstream gradients ``grad_ce`` and ``grad_z``."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    block_size = min(4096, next_power_of_2(n_cols))
+    _cross_entropy_grad_from_lse_kernel[(n_rows, cdiv(n_cols, block_size))](
+        logits, logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
+        n_cols, first_col, vocab_size, ignore_index, label_smoothing, z_loss,
+        BLOCK_SIZE=block_size, num_warps=8 if block_size >= 4096 else 4,
     )

@@ -1,25 +1,31 @@
-"""The output layer and the cross-entropy in one op, chunked over rows: the full logits are never materialised.
+"""The output layer and the cross-entropy in one op, chunked: the full logits are never materialised.
 
 At mT5's 250k vocabulary the logits of a 8192-token decoder batch take 4 GB in bf16, their gradient as much again.
 ``linear_cross_entropy(hidden, weight, labels)`` equals ``cross_entropy(hidden @ weight.T, labels)`` and keeps one
-chunk of rows' logits at a time: the forward reduces each chunk to its losses; the backward computes each chunk's
-logits again, lets ``cross_entropy`` write their gradient in place (the fused kernel, or the reference) and turns
-it into the chunk's share of the hidden states' and the weight's gradients. Recomputing costs one more
-``hidden @ weight.T`` than the unfused op, and in exchange the backward sees the real upstream gradients (of the
-cross-entropy and of the z-loss, separately) and an evaluation forward computes no gradient at all.
+chunk of logits at a time. The forward walks chunks of rows and keeps each row's losses and logsumexp. The backward
+walks slices of the vocabulary instead: a slice's logits for every row, turned in place into their gradient from the
+saved logsumexp and the real upstream gradients (of the cross-entropy and of the z-loss, separately), give the
+slice's rows of the weight gradient in one product, written once, and add their share to the hidden states'
+gradient (rows x d, small). Recomputing costs one more ``hidden @ weight.T`` than the unfused op; an evaluation
+forward computes no gradient at all.
 """
 
 import torch
 
-from .cross_entropy import _check_inputs, _normaliser, cross_entropy
+from .cross_entropy import _TRITON_DTYPES, _check_inputs, _normaliser, cross_entropy_reference
+from .dispatch import use_triton
 
-# One chunk's logits at most this many bytes (in the compute dtype): 512 MiB is 1073 rows at a 250k vocabulary. Each
-# chunk adds its share into the fp32 weight gradient (vocab x d), a read and a write of it: on an H100 at 250k x 768
-# and 8192 rows, 8 ms of accumulation with 1072-row chunks, 13.6 with 536, 5.7 with 2048.
+try:
+    from .cross_entropy_triton import cross_entropy_forward as _triton_forward
+    from .cross_entropy_triton import cross_entropy_grad_from_lse as _triton_grad_from_lse
+except ImportError:  # no triton: the reference serves every call
+    _triton_forward = _triton_grad_from_lse = None
+
+# One chunk's logits at most this many bytes (in the compute dtype): 512 MiB is 1073 rows at a 250k vocabulary.
 _CHUNK_BYTES = 2**29
-# addmm writing fp32 from bf16/fp16 operands (PyTorch >= 2.8, CUDA): the chunk's product is added to the fp32
-# gradient inside the matrix product, not rounded to the operands' dtype first.
-_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype")
+# mm/addmm writing fp32 from bf16/fp16 operands (PyTorch >= 2.8, CUDA): a product summed into, or kept in, fp32
+# without being rounded to the operands' dtype first.
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype")
 
 
 def default_chunk_rows(vocab_size: int, element_size: int) -> int:
@@ -27,22 +33,45 @@ def default_chunk_rows(vocab_size: int, element_size: int) -> int:
     return max(1, _CHUNK_BYTES // (vocab_size * element_size))
 
 
-def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` into the fp32 ``total``, without rounding the product to ``a``'s dtype where possible."""
-    if a.dtype == torch.float32:
-        total.addmm_(a, b)
-    elif total.is_cuda and _ADDMM_OUT_DTYPE:
-        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` in ``out``'s dtype, without rounding the product to ``a``'s dtype where possible."""
+    beta = 1.0 if accumulate else 0.0  # beta 0: out's old contents (uninitialised here) are never read
+    if out.dtype == a.dtype:
+        torch.addmm(out, a, b, beta=beta, out=out)
+    elif out.is_cuda and _MM_OUT_DTYPE and out.dtype == torch.float32:
+        torch.addmm(out, a, b, beta=beta, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out += (a @ b).to(out.dtype)
     else:
-        total += (a @ b).float()
+        out.copy_(a @ b)
 
 
-def _chunk_losses(logits, labels, normaliser, options, inplace_backward=False):
+def _losses_and_log_sum_exp(logits, labels, normaliser, options):
+    """The chunk's (ce, z) sums over the normaliser, and each row's logsumexp (fp32)."""
     ignore_index, label_smoothing, z_loss, reduction, backend = options
-    return cross_entropy(
-        logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
-        num_items_in_batch=normaliser, inplace_backward=inplace_backward, backend=backend,
+    if use_triton(backend, logits) and _triton_forward is not None and logits.dtype in _TRITON_DTYPES:
+        losses, log_sum_exp = _triton_forward(logits, labels, normaliser, None, ignore_index, label_smoothing, z_loss)
+        return losses[0], losses[1], log_sum_exp
+    ce, z = cross_entropy_reference(
+        logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        reduction=reduction, num_items_in_batch=normaliser,
     )
+    return ce, z, torch.logsumexp(logits.float(), dim=-1)
+
+
+def _grad_from_lse_reference(
+    logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, first_col, vocab_size, ignore_index, label_smoothing,
+    z_loss,
+):
+    probability_scale = (grad_ce + grad_z * 2.0 * z_loss * log_sum_exp) / normaliser
+    grad = torch.exp(logits.float() - log_sum_exp[:, None]) * probability_scale[:, None]
+    grad -= grad_ce * label_smoothing / vocab_size / normaliser
+    column = labels - first_col
+    labelled = (labels != ignore_index) & (column >= 0) & (column < logits.shape[1])
+    rows = torch.arange(logits.shape[0], device=logits.device)[labelled]
+    grad[rows, column[labelled]] -= grad_ce * (1.0 - label_smoothing) / normaliser
+    grad[labels == ignore_index] = 0.0
+    logits.copy_(grad)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):
@@ -51,42 +80,49 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         hidden_c, weight_c = hidden.to(compute_dtype), weight.to(compute_dtype)
         ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             logits = hidden_c[start : start + chunk_rows] @ weight_c.T
-            chunk_ce, chunk_z = _chunk_losses(logits, labels[start : start + chunk_rows], normaliser, options)
+            chunk_ce, chunk_z, log_sum_exp[start : start + chunk_rows] = _losses_and_log_sum_exp(
+                logits, labels[start : start + chunk_rows], normaliser, options
+            )
             ce += chunk_ce
             z += chunk_z
-        ctx.save_for_backward(hidden, weight, labels, normaliser)
+        ctx.save_for_backward(hidden, weight, labels, normaliser, log_sum_exp)
         ctx.options, ctx.chunk_rows, ctx.compute_dtype = options, chunk_rows, compute_dtype
         return ce, z
 
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
-        hidden, weight, labels, normaliser = ctx.saved_tensors
-        # An output the loss did not use has no upstream gradient: zero, not the 1 autograd.grad would assume.
-        upstream = [
-            torch.zeros((), dtype=torch.float32, device=hidden.device) if grad is None else grad
+        hidden, weight, labels, normaliser, log_sum_exp = ctx.saved_tensors
+        ignore_index, label_smoothing, z_loss, _, backend = ctx.options
+        # An output the loss did not use has no upstream gradient: zero.
+        grad_ce, grad_z = (
+            torch.zeros((), dtype=torch.float32, device=hidden.device) if grad is None else grad.to(torch.float32)
             for grad in (grad_ce, grad_z)
-        ]
-        hidden_c, weight_c = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
-        grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         )
-        for start in range(0, hidden.shape[0], ctx.chunk_rows):
-            rows = hidden_c[start : start + ctx.chunk_rows]
-            with torch.enable_grad():
-                logits = (rows @ weight_c.T).requires_grad_()
-                chunk_losses = _chunk_losses(
-                    logits, labels[start : start + ctx.chunk_rows], normaliser, ctx.options, inplace_backward=True
-                )
-                (grad_logits,) = torch.autograd.grad(chunk_losses, logits, upstream)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight_c, out=grad_hidden[start : start + ctx.chunk_rows])
+        hidden_c, weight_c = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
+        n_rows, vocab_size = hidden.shape[0], weight.shape[0]
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if ctx.needs_input_grad[0] else None
+        )
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        # slices of the vocabulary holding as many logits as a forward chunk
+        slice_cols = max(1, ctx.chunk_rows * vocab_size // max(n_rows, 1))
+        triton_path = use_triton(backend, hidden_c) and _triton_grad_from_lse is not None
+        grad_from_lse = _triton_grad_from_lse if triton_path else _grad_from_lse_reference
+        for first in range(0, vocab_size, slice_cols):
+            weight_slice = weight_c[first : first + slice_cols]
+            logits = hidden_c @ weight_slice.T
+            grad_from_lse(
+                logits, labels, log_sum_exp, normaliser, grad_ce, grad_z, first, vocab_size, ignore_index,
+                label_smoothing, z_loss,
+            )
             if grad_weight is not None:
-                _accumulate(grad_weight, grad_logits.T, rows)
+                _matmul_into(grad_weight[first : first + slice_cols], logits.T, hidden_c, accumulate=False)
+            if grad_hidden is not None:
+                _matmul_into(grad_hidden, logits, weight_slice, accumulate=True)
         grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
-        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -109,7 +145,8 @@ def linear_cross_entropy(
         hidden: ``(..., d)`` the output layer's input.
         weight: ``(vocab_size, d)`` the output layer's weight (no bias), as ``nn.Linear`` holds it.
         labels: ``(...)`` integer class indices, ``hidden``'s leading shape.
-        chunk_rows: rows whose logits exist at once; by default as many as fit in 512 MiB.
+        chunk_rows: rows per chunk of the forward (the backward's vocabulary slices hold as many logits); by
+            default as many as fit in 512 MiB.
         The other arguments are ``cross_entropy``'s. Under autocast the products run in its dtype, as
         ``nn.Linear`` would.
 

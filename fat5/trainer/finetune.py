@@ -7,7 +7,8 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
     task: seq2seq                      # or sequence_classification, token_classification
     model: out/fat5-flan-t5-small      # a FAT5 folder (`fat5 convert` writes one) or a FAT5 Hub repo id
     tokenizer: null                    # default: the model's folder
-    model_overrides: {dropout_rate: 0.1}   # FAT5Config fields changed for finetuning
+    model_overrides: {dropout_rate: 0.1}   # FAT5Config fields changed for finetuning (use_chunked_lm_loss: true
+                                       # trains mT5-sized vocabularies without their logits)
     dtype: float32                     # weights while training (or bfloat16, float16, auto); training.bf16: true
                                        # adds mixed precision on top of float32 weights
     output_dir: runs/summarize
