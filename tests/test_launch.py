@@ -141,3 +141,43 @@ def test_triton_older_than_the_kernels_need_is_refused_by_name(monkeypatch):
     assert dispatch.use_triton("auto", torch.zeros(2)) is False
     monkeypatch.setattr(triton, "__version__", "3.3.0")
     assert dispatch._triton_unusable_reason() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_kernels_run_on_their_tensors_device_not_the_current_one():
+    # A model split over GPUs (device_map="auto") calls the kernels with tensors on a device other than the current
+    # one: each launch must go to the tensors' device, as the eager references do.
+    from fat5.kernels.activation import activation_reference, gated_activation
+    from fat5.kernels.cross_entropy import cross_entropy, cross_entropy_reference
+    from fat5.kernels.linear_cross_entropy import linear_cross_entropy
+    from fat5.kernels.rms_norm import rms_norm, rms_norm_reference
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 1)
+    torch.manual_seed(0)
+    x = torch.randn(64, 512, device=device, requires_grad=True)
+    weight = torch.rand(512, device=device) + 0.5
+    normed = rms_norm(x, weight, backend="triton")
+    assert torch.allclose(normed, rms_norm_reference(x, weight), rtol=1e-5, atol=1e-5)
+    gate, linear = torch.randn(2, 64, 512, device=device, requires_grad=True)
+    activated = gated_activation(gate, linear, "gelu_new", backend="triton")
+    assert torch.allclose(activated, activation_reference(gate, linear, "gelu_new"), rtol=1e-5, atol=1e-5)
+    (normed.sum() + activated.sum()).backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(gate.grad).all()
+
+    logits = torch.randn(32, 1000, device=device, requires_grad=True)
+    labels = torch.randint(0, 1000, (32,), device=device)
+    ce, z = cross_entropy(logits, labels, z_loss=1e-4, backend="triton")
+    (ce + z).backward()
+    reference = logits.detach().clone().requires_grad_()
+    sum(cross_entropy_reference(reference, labels, z_loss=1e-4)).backward()
+    assert torch.allclose(ce + z, sum(cross_entropy_reference(logits, labels, z_loss=1e-4)), rtol=1e-5)
+    assert torch.allclose(logits.grad, reference.grad, rtol=1e-4, atol=1e-7)
+
+    hidden = torch.randn(32, 64, device=device, requires_grad=True)
+    output_weight = torch.randn(1000, 64, device=device)
+    sum(linear_cross_entropy(hidden, output_weight, labels, chunk_rows=8, backend="triton")).backward()
+    expected = hidden.detach().clone().requires_grad_()
+    cross_entropy_reference(expected @ output_weight.T, labels)[0].backward()
+    assert torch.allclose(hidden.grad, expected.grad, rtol=1e-4, atol=1e-6)

@@ -14,7 +14,7 @@ except ImportError as error:  # activation.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher, cdiv
+from .launch import CachedLauncher, cdiv, device_guard
 
 # The activation codes the kernels understand, by the names transformers' ACT2FN gives them.
 ACTIVATION_CODES = {"gelu_new": 0, "gelu_pytorch_tanh": 0, "gelu": 1, "relu": 2, "silu": 3, "swish": 3}
@@ -97,11 +97,12 @@ def activation_forward(gate: torch.Tensor, linear: torch.Tensor | None, output: 
     n_elements = gate.numel()
     if n_elements == 0:
         return
-    _activation_forward_kernel[(cdiv(n_elements, _BLOCK_SIZE),)](
-        gate, gate if linear is None else linear, output, n_elements,
-        ACTIVATION=ACTIVATION_CODES[activation], GATED=linear is not None, BLOCK_SIZE=_BLOCK_SIZE,
-        num_warps=_NUM_WARPS,
-    )
+    with device_guard(gate.device):
+        _activation_forward_kernel[(cdiv(n_elements, _BLOCK_SIZE),)](
+            gate, gate if linear is None else linear, output, n_elements,
+            ACTIVATION=ACTIVATION_CODES[activation], GATED=linear is not None, BLOCK_SIZE=_BLOCK_SIZE,
+            num_warps=_NUM_WARPS,
+        )
 
 
 def activation_backward(
@@ -117,7 +118,8 @@ def activation_backward(
     if n_elements == 0:
         return
     gated = linear is not None
-    _activation_backward_kernel[(cdiv(n_elements, _BLOCK_SIZE),)](
-        grad_output, gate, linear if gated else gate, grad_gate, grad_linear if gated else grad_gate, n_elements,
-        ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, BLOCK_SIZE=_BLOCK_SIZE, num_warps=_NUM_WARPS,
-    )
+    with device_guard(gate.device):
+        _activation_backward_kernel[(cdiv(n_elements, _BLOCK_SIZE),)](
+            grad_output, gate, linear if gated else gate, grad_gate, grad_linear if gated else grad_gate, n_elements,
+            ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, BLOCK_SIZE=_BLOCK_SIZE, num_warps=_NUM_WARPS,
+        )

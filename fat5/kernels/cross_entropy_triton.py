@@ -19,7 +19,7 @@ except ImportError as error:  # cross_entropy.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher, cdiv, multiprocessors, next_power_of_2
+from .launch import CachedLauncher, cdiv, device_guard, multiprocessors, next_power_of_2
 
 
 @triton.jit
@@ -231,17 +231,18 @@ def cross_entropy_forward(logits, labels, normaliser, grad_logits, ignore_index,
         if config["programs_per_sm"]:
             programs = min(n_rows, config["programs_per_sm"] * _multiprocessors(logits.device))
         compute_grad = grad_logits is not None
-        _cross_entropy_forward_kernel[(programs,)](
-            logits, logits.stride(0), grad_logits if compute_grad else logits,
-            grad_logits.stride(0) if compute_grad else 0, labels, normaliser,
-            per_row_losses[0], per_row_losses[1], log_sum_exp,
-            n_rows, vocab_size, ignore_index, label_smoothing, z_loss,
-            COMPUTE_GRAD=compute_grad, LABEL_SMOOTHING=label_smoothing > 0.0,
-            BLOCK_SIZE=config["block_size"], NUM_BLOCKS=cdiv(vocab_size, config["block_size"]),
-            FIRST_PASS_EVICTION="evict_last" if config["eviction"] else "",
-            SECOND_PASS_EVICTION="evict_first" if config["eviction"] else "",
-            num_warps=config["num_warps"],
-        )
+        with device_guard(logits.device):
+            _cross_entropy_forward_kernel[(programs,)](
+                logits, logits.stride(0), grad_logits if compute_grad else logits,
+                grad_logits.stride(0) if compute_grad else 0, labels, normaliser,
+                per_row_losses[0], per_row_losses[1], log_sum_exp,
+                n_rows, vocab_size, ignore_index, label_smoothing, z_loss,
+                COMPUTE_GRAD=compute_grad, LABEL_SMOOTHING=label_smoothing > 0.0,
+                BLOCK_SIZE=config["block_size"], NUM_BLOCKS=cdiv(vocab_size, config["block_size"]),
+                FIRST_PASS_EVICTION="evict_last" if config["eviction"] else "",
+                SECOND_PASS_EVICTION="evict_first" if config["eviction"] else "",
+                num_warps=config["num_warps"],
+            )
     return per_row_losses.sum(dim=1) / normaliser, log_sum_exp
 
 
@@ -253,12 +254,13 @@ def cross_entropy_rescale_grad(
     if n_rows == 0:
         return
     block_size = min(8192, next_power_of_2(vocab_size))
-    _cross_entropy_rescale_grad_kernel[(n_rows,)](
-        grad_logits, grad_logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
-        vocab_size, ignore_index, label_smoothing, z_loss,
-        BLOCK_SIZE=block_size, NUM_BLOCKS=cdiv(vocab_size, block_size),
-        num_warps=8 if block_size >= 4096 else 4,
-    )
+    with device_guard(grad_logits.device):
+        _cross_entropy_rescale_grad_kernel[(n_rows,)](
+            grad_logits, grad_logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
+            vocab_size, ignore_index, label_smoothing, z_loss,
+            BLOCK_SIZE=block_size, NUM_BLOCKS=cdiv(vocab_size, block_size),
+            num_warps=8 if block_size >= 4096 else 4,
+        )
 
 
 def cross_entropy_grad_from_lse(
@@ -271,8 +273,9 @@ def cross_entropy_grad_from_lse(
     if n_rows == 0 or n_cols == 0:
         return
     block_size = min(4096, next_power_of_2(n_cols))
-    _cross_entropy_grad_from_lse_kernel[(n_rows, cdiv(n_cols, block_size))](
-        logits, logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
-        n_cols, first_col, vocab_size, ignore_index, label_smoothing, z_loss,
-        BLOCK_SIZE=block_size, num_warps=8 if block_size >= 4096 else 4,
-    )
+    with device_guard(logits.device):
+        _cross_entropy_grad_from_lse_kernel[(n_rows, cdiv(n_cols, block_size))](
+            logits, logits.stride(0), labels, log_sum_exp, normaliser, grad_ce, grad_z,
+            n_cols, first_col, vocab_size, ignore_index, label_smoothing, z_loss,
+            BLOCK_SIZE=block_size, num_warps=8 if block_size >= 4096 else 4,
+        )

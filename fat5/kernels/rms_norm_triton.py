@@ -14,7 +14,7 @@ except ImportError as error:  # rms_norm.py falls back to the reference
 
 import torch
 
-from .launch import CachedLauncher, cdiv, multiprocessors, next_power_of_2
+from .launch import CachedLauncher, cdiv, device_guard, multiprocessors, next_power_of_2
 
 # One program keeps (rows x padded width) fp32 values in registers; wider rows would spill.
 MAX_WIDTH = 65536
@@ -130,14 +130,15 @@ def rms_norm_forward(rows, weight, output, inverse_rms, eps, rows_per_program=No
         return
     default_rows, default_warps = forward_config(n_cols)
     rows_per_program = rows_per_program or default_rows
-    _rms_norm_forward_kernel[(cdiv(n_rows, rows_per_program),)](
-        rows, rows.stride(0), weight, output, output.stride(0), inverse_rms,
-        n_rows, n_cols, eps,
-        CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
-        BLOCK_COLS=next_power_of_2(n_cols),
-        ROWS_PER_PROGRAM=rows_per_program,
-        num_warps=num_warps or default_warps,
-    )
+    with device_guard(rows.device):
+        _rms_norm_forward_kernel[(cdiv(n_rows, rows_per_program),)](
+            rows, rows.stride(0), weight, output, output.stride(0), inverse_rms,
+            n_rows, n_cols, eps,
+            CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
+            BLOCK_COLS=next_power_of_2(n_cols),
+            ROWS_PER_PROGRAM=rows_per_program,
+            num_warps=num_warps or default_warps,
+        )
 
 
 def rms_norm_backward(
@@ -155,13 +156,14 @@ def rms_norm_backward(
     rows_per_program = cdiv(cdiv(n_rows, programs), rows_per_step) * rows_per_step
     programs = max(1, cdiv(n_rows, rows_per_program))
     partial_grad_weight = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
-    _rms_norm_backward_kernel[(programs,)](
-        grad_rows, grad_rows.stride(0), rows, rows.stride(0), weight, inverse_rms,
-        grad_input, grad_input.stride(0), partial_grad_weight,
-        n_rows, n_cols, rows_per_program,
-        CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
-        BLOCK_COLS=next_power_of_2(n_cols),
-        ROWS_PER_STEP=rows_per_step,
-        num_warps=num_warps or default_warps,
-    )
+    with device_guard(rows.device):
+        _rms_norm_backward_kernel[(programs,)](
+            grad_rows, grad_rows.stride(0), rows, rows.stride(0), weight, inverse_rms,
+            grad_input, grad_input.stride(0), partial_grad_weight,
+            n_rows, n_cols, rows_per_program,
+            CAST_TO_WEIGHT_DTYPE=_cast_to_weight_dtype(weight),
+            BLOCK_COLS=next_power_of_2(n_cols),
+            ROWS_PER_STEP=rows_per_step,
+            num_warps=num_warps or default_warps,
+        )
     return partial_grad_weight.sum(dim=0).to(weight.dtype)
