@@ -54,11 +54,12 @@ class FAT5Config(PretrainedConfig):
         use_fused_cross_entropy (`bool`, defaults to `True`): compute the loss with the fused kernel where the
             backend allows (it never materialises fp32 copies of the logits).
         use_chunked_lm_loss (`bool`, defaults to `False`): while training with labels, compute the loss from the
-            decoder's output in chunks of rows (`kernels.linear_cross_entropy`) so that the logits are never
-            materialised, at the price of computing them twice; for large vocabularies (mT5's 250k: 4 GB of bf16
-            logits for 8192 decoder tokens, their gradient as much again). `logits` is then `None` in the training
-            forward's output; evaluation and generation compute them as usual. Ignored when the output layer is not
-            a bare `nn.Linear` (a PEFT adapter on it) or under `torch.compile`.
+            decoder's output in chunks (`kernels.linear_cross_entropy`) so that the logits are never materialised,
+            at the price of computing them twice; for large vocabularies (mT5's 250k: 4 GB of bf16 logits for 8192
+            decoder tokens, their gradient as much again). `logits` is then `None` in the training forward's output;
+            evaluation and generation compute them as usual. The logits path runs instead when the output layer is
+            not a bare `nn.Linear` (a PEFT adapter on it), when its weight is still an FSDP2 shard, and under
+            `torch.compile`.
         use_fused_rms_norm (`bool`, defaults to `True`): compute the RMS norms with the fused kernel where the
             backend allows.
         use_fused_activation (`bool`, defaults to `True`): compute the feed-forward activation (and its gate
