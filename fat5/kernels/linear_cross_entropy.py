@@ -46,10 +46,15 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
         out.copy_(a @ b)
 
 
+def _runs_triton(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether the kernels serve this call: the forward and the backward must take the same path."""
+    return use_triton(backend, tensor) and _triton_forward is not None and tensor.dtype in _TRITON_DTYPES
+
+
 def _losses_and_log_sum_exp(logits, labels, normaliser, options):
     """The chunk's (ce, z) sums over the normaliser, and each row's logsumexp (fp32)."""
     ignore_index, label_smoothing, z_loss, reduction, backend = options
-    if use_triton(backend, logits) and _triton_forward is not None and logits.dtype in _TRITON_DTYPES:
+    if _runs_triton(backend, logits):
         losses, log_sum_exp = _triton_forward(logits, labels, normaliser, None, ignore_index, label_smoothing, z_loss)
         return losses[0], losses[1], log_sum_exp
     ce, z = cross_entropy_reference(
@@ -109,8 +114,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
         # slices of the vocabulary holding as many logits as a forward chunk
         slice_cols = max(1, ctx.chunk_rows * vocab_size // max(n_rows, 1))
-        triton_path = use_triton(backend, hidden_c) and _triton_grad_from_lse is not None
-        grad_from_lse = _triton_grad_from_lse if triton_path else _grad_from_lse_reference
+        grad_from_lse = _triton_grad_from_lse if _runs_triton(backend, hidden_c) else _grad_from_lse_reference
         for first in range(0, vocab_size, slice_cols):
             weight_slice = weight_c[first : first + slice_cols]
             logits = hidden_c @ weight_slice.T
