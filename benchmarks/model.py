@@ -243,10 +243,31 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
     return longest
 
 
+# (kind, substrings of its CUDA kernels' names); the first kind that matches a kernel takes it. Inductor names its
+# kernels triton_* after the ops they fuse (triton_poi_fused_add_rms_norm_backward_...): they come first
+KERNEL_KINDS = (
+    ("fused by Inductor", ("triton_",)),
+    ("attention backward", ("_attention_backward", "_backward_preprocess")),
+    ("attention forward", ("_attention_forward", "_split_combine")),
+    ("T5 bias table", ("_t5_",)),
+    ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")),
+    ("RMSNorm", ("_rms_norm",)),
+    ("activation", ("_activation",)),
+    ("cross-entropy", ("_cross_entropy",)),
+    ("optimizer", ("FusedOptimizer", "multi_tensor_apply")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in name for part in parts)),
+                "other (copies, fills, reductions)")
+
+
 def profile_training(name, model, length, batch, path, steps=3):
     """Where a training step's time goes, appended to the text file ``path``: the host's time to enqueue one step
     against the device's time to run it (a host-bound step has them equal), the host synchronisations inside a
-    step, and the CUDA kernels and host-side operators of ``steps`` steps by total time."""
+    step, and the CUDA kernels and host-side operators of ``steps`` steps by total time. Returns the row for the
+    result file: those times and the GPU's milliseconds per step by kind of kernel (``KERNEL_KINDS``)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -281,10 +302,17 @@ def profile_training(name, model, length, batch, path, steps=3):
             step()
         torch.cuda.synchronize()
     averages = profiler.key_averages()
+    by_kind = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(event.name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e3 / steps
+    by_kind = {kind: round(ms, 3) for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])}
     with open(path, "a") as handle:
         handle.write(f"# {name}, encoder length {length}, batch {batch}\n"
                      f"host enqueue {host_ms:.1f} ms, device {device_ms:.1f} ms per step; "
-                     f"{len(caught)} host synchronisations in a step {synchronisations}\n\n"
+                     f"{len(caught)} host synchronisations in a step {synchronisations}\n"
+                     f"GPU ms per step by kind of kernel: {by_kind}\n\n"
                      f"## CUDA kernels of {steps} steps\n"
                      f"{averages.table(sort_by='self_cuda_time_total', row_limit=30, max_name_column_width=80)}\n"
                      f"## host operators of {steps} steps\n"
@@ -292,6 +320,9 @@ def profile_training(name, model, length, batch, path, steps=3):
     model.zero_grad(set_to_none=True)
     del step, optimizer
     print(f"profile of {name} at {length} -> {path}", flush=True)
+    return {"implementation": name, "encoder_length": length, "batch": batch, "host_enqueue_ms": round(host_ms, 2),
+            "device_ms": round(device_ms, 2), "host_synchronisations": len(caught),
+            "kernel_ms": round(sum(by_kind.values()), 2), "kernel_ms_by_kind": by_kind}
 
 
 @torch.no_grad()
@@ -393,7 +424,8 @@ def main(argv=None):
                         help="KV caches to generate with (static: generate compiles the decoding step)")
     parser.add_argument("--generation-batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="LENGTH",
-                        help="also profile training steps at these encoder lengths (kernel table beside --out)")
+                        help="also profile training steps at these encoder lengths: GPU time by kind of kernel in the "
+                             "result file, kernel and operator tables in a text file beside it")
     parser.add_argument("--batches", nargs="+", default=[], metavar="LENGTH:BATCH",
                         help=f"training/encoder batch per encoder length, over the defaults {DEFAULT_BATCHES}")
     parser.add_argument("--packed", type=int, default=0, metavar="EXAMPLES",
@@ -432,9 +464,11 @@ def main(argv=None):
                 if name in models:
                     results["training"] += measure_training(packed_name, models[name], args.lengths, batches, peak,
                                                             packed_examples=args.packed)
-    for length in args.profile:
-        for name, model in models.items():
+    if args.profile:
+        results["profile"] = [
             profile_training(name, model, length, batches.get(length, 1), args.out.replace(".json", "_profile.txt"))
+            for length in args.profile for name, model in models.items()
+        ]
     # compiled blocks are specialised to training shapes: a decoding step of every new length would recompile
     eager = {name: model for name, model in models.items() if name not in COMPILED}
     if "encoder" not in args.skip:
