@@ -136,16 +136,30 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 class FAT5LayerNorm(nn.Module):
-    """T5's RMS norm (no mean, no bias, variance in fp32), through the fused kernel when the config allows."""
+    """T5's RMS norm (no mean, no bias, variance in fp32), through the fused kernel when the config allows.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "auto"):
+    ``autocast_output``: under autocast, give the output in autocast's dtype. For the norms at the head of a sub-layer,
+    whose output only enters projections: autocast would cast it to that dtype at each of them (q, k and v: three
+    casts of an fp32 tensor, and three back in the backward); made there directly, it is the same value (the fp32
+    product rounded once) and the step does none of those casts. The projections' input gradients then add up in
+    that dtype, as in pure bf16 training. The stacks' final norms keep T5's dtype: their output is the encoder's or
+    the decoder's hidden states (the decoder casts the encoder's once for all its cross-attention layers).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "auto", autocast_output: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
         self.backend = backend
+        self.autocast_output = autocast_output
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.backend)
+        device_type = hidden_states.device.type
+        output_dtype = None
+        if self.autocast_output and torch.is_autocast_enabled(device_type):
+            output_dtype = torch.get_autocast_dtype(device_type)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.backend,
+                        output_dtype=output_dtype)
 
 
 def _fused_activation_backend(config: FAT5Config) -> str | None:
@@ -153,6 +167,20 @@ def _fused_activation_backend(config: FAT5Config) -> str | None:
     if config.use_fused_activation and config.dense_act_fn in ACTIVATIONS:
         return config.attention_backend
     return None
+
+
+def _output_projection_input(hidden_states: torch.Tensor, wo: nn.Linear) -> torch.Tensor:
+    """The feed-forward's activations in ``wo``'s dtype, as transformers' T5 gives them (checkpoints that keep ``wo``
+    in fp32 under fp16 weights), except under autocast: the product runs in the autocast dtype whatever its input's,
+    so the cast would only be two passes over d_ff-wide activations there and two more in the backward (the values
+    are the same: bf16 to fp32 and back is exact). Integer (quantised) weights take no cast, as in transformers."""
+    if (
+        hidden_states.dtype == wo.weight.dtype
+        or not wo.weight.dtype.is_floating_point
+        or torch.is_autocast_enabled(hidden_states.device.type)
+    ):
+        return hidden_states
+    return hidden_states.to(wo.weight.dtype)
 
 
 class FAT5DenseActDense(nn.Module):
@@ -171,7 +199,7 @@ class FAT5DenseActDense(nn.Module):
         else:
             hidden_states = gated_activation(self.wi(hidden_states), None, self.activation_name, self.activation_backend)
         hidden_states = self.dropout(hidden_states)
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(_output_projection_input(hidden_states, self.wo))
 
 
 class FAT5DenseGatedActDense(nn.Module):
@@ -193,23 +221,23 @@ class FAT5DenseGatedActDense(nn.Module):
                 self.wi_0(hidden_states), self.wi_1(hidden_states), self.activation_name, self.activation_backend
             )
         hidden_states = self.dropout(hidden_states)
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(_output_projection_input(hidden_states, self.wo))
 
 
 class FAT5LayerFF(nn.Module):
     def __init__(self, config: FAT5Config):
         super().__init__()
         self.DenseReluDense = FAT5DenseGatedActDense(config) if config.is_gated_act else FAT5DenseActDense(config)
-        self.layer_norm = _layer_norm(config)
+        self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
 
 
-def _layer_norm(config: FAT5Config) -> FAT5LayerNorm:
+def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerNorm:
     backend = config.attention_backend if config.use_fused_rms_norm else "reference"
-    return FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon, backend=backend)
+    return FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon, backend=backend, autocast_output=autocast_output)
 
 
 class FAT5FIRE(nn.Module):
@@ -435,7 +463,7 @@ class FAT5LayerSelfAttention(nn.Module):
         self.SelfAttention = FAT5Attention(
             config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, layer_idx=layer_idx
         )
-        self.layer_norm = _layer_norm(config)
+        self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, layout, shared_position=(), past_key_values=None):
@@ -449,7 +477,7 @@ class FAT5LayerCrossAttention(nn.Module):
     def __init__(self, config, layer_idx=None):
         super().__init__()
         self.EncDecAttention = FAT5Attention(config, is_decoder=True, is_cross_attention=True, layer_idx=layer_idx)
-        self.layer_norm = _layer_norm(config)
+        self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None):
@@ -584,6 +612,10 @@ class FAT5Stack(nn.Module):
                     batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device,
                     mask_name="the encoder's attention_mask",
                 )
+            device_type = encoder_hidden_states.device.type
+            if torch.is_autocast_enabled(device_type):
+                # cast once here instead of by autocast at every cross-attention's k and v (and as often back)
+                encoder_hidden_states = encoder_hidden_states.to(torch.get_autocast_dtype(device_type))
 
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
         # as a reference to the first block, whose parameters FSDP shards again once it has run

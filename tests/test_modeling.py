@@ -89,6 +89,47 @@ def test_logits_and_loss_match_transformers(family):
     assert actual.z_loss.item() == 0.0
 
 
+def test_autocast_training_matches_transformers_with_projections_fed_in_its_dtype():
+    """fp32 weights under bf16 autocast, as the Trainer runs `bf16: true`: the same loss and gradients as transformers'
+    T5 and the same output dtypes, while every projection inside the stacks receives bf16 activations as they are
+    (transformers hands them fp32 norm outputs and fp32-widened feed-forward activations, which autocast casts
+    to bf16 at each projection: the same values, more passes over memory both ways)."""
+    hf = make_hf("t5v1.1").train()
+    model = fat5_from_hf(hf, "t5v1.1").train()
+    input_ids, attention_mask, labels = padded_batch()
+    watched = {
+        "q": model.encoder.block[0].layer[0].SelfAttention.q,
+        "cross k": model.decoder.block[1].layer[1].EncDecAttention.k,
+        "wi_0": model.decoder.block[0].layer[-1].DenseReluDense.wi_0,
+        "wo": model.encoder.block[0].layer[-1].DenseReluDense.wo,
+    }
+    seen = {}
+
+    def record_input_dtype(name):
+        def hook(module, args):
+            seen.setdefault(name, args[0].dtype)
+        return hook
+
+    hooks = [module.register_forward_pre_hook(record_input_dtype(name)) for name, module in watched.items()]
+    outputs = []
+    for network in (hf, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = network(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        output.loss.backward()
+        outputs.append(output)
+    for hook in hooks:
+        hook.remove()
+    assert seen == dict.fromkeys(watched, torch.bfloat16)
+    expected, actual = outputs
+    assert actual.encoder_last_hidden_state.dtype == expected.encoder_last_hidden_state.dtype == torch.float32
+    assert actual.logits.dtype == expected.logits.dtype
+    assert abs(actual.loss.item() - expected.loss.item()) < 5e-3 * abs(expected.loss.item())
+    hf_parameters = dict(hf.named_parameters())
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None and name in hf_parameters:
+            assert relative_error(parameter.grad, hf_parameters[name].grad) < 5e-2, name
+
+
 def test_a_non_causal_umt5_reference_is_made_causal_before_comparing():
     """transformers 5.17 builds UMT5's decoder self-attention with is_causal=False (SDPA then lets a position see
     later ones when no decoder mask is given); the conversion check makes the reference causal again, with a note."""

@@ -103,6 +103,27 @@ def test_weight_gradient_spans_many_programs_and_is_deterministic():
     assert _relative_error(first, expected) < 1e-5
 
 
+@pytest.mark.parametrize("output_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_output_dtype_is_t5s_product_rounded_once(backend, output_dtype):
+    """What autocast hands the next projection: T5LayerNorm's fp32 output cast to its dtype, with that cast's
+    gradients (the incoming half-precision gradient widened)."""
+    hidden_states, weight = torch.randn(6, 48) * 2, torch.randn(48)
+    grad_output = torch.randn(6, 48).to(output_dtype)
+    module = _t5_layer_norm(weight, 1e-6)
+    expected_x = hidden_states.clone().requires_grad_()
+    expected = module(expected_x).to(output_dtype)
+    expected.backward(grad_output)
+    x, w = hidden_states.clone().requires_grad_(), weight.clone().requires_grad_()
+    output = rms_norm(x, w, backend=backend, output_dtype=output_dtype)
+    output.backward(grad_output)
+    assert output.dtype == output_dtype and x.grad.dtype == w.grad.dtype == torch.float32
+    # the kernel's fp32 product may differ from torch's in its last bit, which can move the rounding by one step
+    torch.testing.assert_close(output, expected, rtol=torch.finfo(output_dtype).eps, atol=1e-6)
+    assert _relative_error(x.grad, expected_x.grad) < 1e-5
+    assert _relative_error(w.grad, module.weight.grad) < 1e-5
+
+
 def test_strided_input_and_large_values():
     # A view with a row stride wider than the width, and values whose squares overflow fp16 if not upcast.
     base = torch.randn(12, 80) * 1e3
@@ -147,6 +168,11 @@ def test_bad_input_raises_clear_errors(hidden_states, weight, error, match):
         rms_norm(hidden_states, weight, backend="triton")
 
 
+def test_output_dtype_must_be_a_floating_dtype():
+    with pytest.raises(TypeError, match="output_dtype"):
+        rms_norm(torch.randn(3, 8), torch.ones(8), output_dtype=torch.int32)
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         rms_norm(torch.randn(2, 4), torch.ones(4), backend="cuda")
@@ -174,7 +200,8 @@ def test_custom_op_passes_opcheck():
 
     hidden_states = torch.randn(5, 16, requires_grad=True)
     weight = torch.randn(16, requires_grad=True)
-    torch.library.opcheck(module._rms_norm_forward, (hidden_states, weight, 1e-6))
+    torch.library.opcheck(module._rms_norm_forward, (hidden_states, weight, 1e-6, torch.float32))
+    torch.library.opcheck(module._rms_norm_forward, (hidden_states, weight, 1e-6, torch.bfloat16))
     torch.library.opcheck(module._rms_norm_backward, (torch.randn(5, 16), hidden_states.detach(), weight.detach(),
                                                       torch.rand(5) + 0.5))
 
