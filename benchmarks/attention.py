@@ -23,7 +23,6 @@ caches; the timing itself runs in this process, one variant at a time.
 
 import argparse
 import concurrent.futures
-import json
 import math
 import multiprocessing
 import os
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_gbs, markdown_table, relative_error, write_result
+from common import copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
 
 DEVICE = "cuda"
 TOKENS = 16384
@@ -620,8 +619,7 @@ def main():
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()
     if args.plot_only:
-        with open(args.plot_only) as handle:
-            plot(json.load(handle), args.plot_only.replace(".json", ".png"))
+        redraw(plot, args.plot_only)
         return
     if args.lengths is None:
         args.lengths = BREAKDOWN_LENGTHS if args.breakdown else LENGTHS
@@ -629,10 +627,7 @@ def main():
     document = write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS,
                             max_distance=MAX_DISTANCE)
     if not (args.sweep or args.breakdown):
-        try:
-            plot(document, args.out.replace(".json", ".png"))
-        except ImportError as error:
-            print(f"no plot ({error}); redraw with --plot-only")
+        draw_beside(plot, document, args.out)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,20 @@ def write_result(path: str, results, **extra) -> dict:
     return document
 
 
+def draw_beside(plot, document: dict, result_path: str) -> None:
+    """``plot(document, png_path)`` to the PNG beside the result file; without matplotlib, say how to draw it later."""
+    try:
+        plot(document, result_path.replace(".json", ".png"))
+    except ImportError as error:
+        print(f"no plot ({error}); draw it later with --plot-only {result_path}")
+
+
+def redraw(plot, result_path: str) -> None:
+    """``--plot-only``: the PNG again from an existing result file (no GPU needed)."""
+    with open(result_path) as handle:
+        plot(json.load(handle), result_path.replace(".json", ".png"))
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate (bytes read + written), the ceiling the bandwidth floors are computed with."""
     import triton.testing

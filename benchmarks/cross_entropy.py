@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cold_graph_ms, copy_bandwidth_gbs, markdown_table, relative_error, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
 
 DEVICE = "cuda"
 SHAPES = [(8192, 32128), (4096, 250112)]
@@ -254,8 +254,7 @@ def main():
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()
     if args.plot_only:
-        with open(args.plot_only) as handle:
-            plot(json.load(handle), args.plot_only.replace(".json", ".png"))
+        redraw(plot, args.plot_only)
         return
     document = run(args)
     rows = [
@@ -264,10 +263,7 @@ def main():
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
     print(markdown_table(rows, ["shape", "variant", "ms", "graph ms", "peak MiB", "grad err"]))
-    try:
-        plot(document, args.out.replace(".json", ".png"))
-    except ImportError as error:
-        print(f"no plot ({error}); redraw with --plot-only")
+    draw_beside(plot, document, args.out)
 
 
 if __name__ == "__main__":

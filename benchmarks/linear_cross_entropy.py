@@ -11,7 +11,6 @@ Each variant's loss and gradients are checked against the materialised one; then
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import markdown_table, relative_error, write_result
+from common import draw_beside, markdown_table, redraw, relative_error, write_result
 
 Z_LOSS = 1e-4
 
@@ -130,8 +129,7 @@ def main():
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()
     if args.plot_only:
-        with open(args.plot_only) as handle:
-            plot(json.load(handle), args.plot_only.replace(".json", ".png"))
+        redraw(plot, args.plot_only)
         return
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
@@ -142,10 +140,7 @@ def main():
          for row in document["results"]],
         ["variant", "ms", "peak MiB", "grad err (hidden / weight)"],
     ))
-    try:
-        plot(document, args.out.replace(".json", ".png"))
-    except ImportError as error:
-        print(f"no plot ({error}); redraw with --plot-only")
+    draw_beside(plot, document, args.out)
 
 
 if __name__ == "__main__":
