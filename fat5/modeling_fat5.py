@@ -725,15 +725,13 @@ class FAT5PreTrainedModel(PreTrainedModel):
         d_model, d_kv, n_heads = self.config.d_model, self.config.d_kv, self.config.num_heads
         if isinstance(module, FAT5LayerNorm):
             init.constant_(module.weight, factor)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=factor)
-        elif isinstance(module, nn.Linear):
-            # T5's rule (transformers' default for a Linear) for one that no branch below owns: the lm_head that
-            # resize_token_embeddings builds for an untied head. Every projection of the model is drawn again by its
-            # module's branch, which runs after its children's.
-            init.normal_(module.weight, mean=0.0, std=factor)
-            if module.bias is not None:
-                init.zeros_(module.bias)
+        elif isinstance(module, (nn.Embedding, nn.Linear)):
+            # T5's rule for an embedding or a Linear that no branch below draws: the token embeddings, and the lm_head
+            # that resize_token_embeddings builds (outside the model) for an untied head
+            if not self._drawn_by_its_holder(module):
+                init.normal_(module.weight, mean=0.0, std=factor)
+                if getattr(module, "bias", None) is not None:
+                    init.zeros_(module.bias)
         elif isinstance(module, FAT5Attention):
             init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
             init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
@@ -764,6 +762,16 @@ class FAT5PreTrainedModel(PreTrainedModel):
                 init.normal_(head.weight, mean=0.0, std=factor * std)
             if head.bias is not None:
                 init.zeros_(head.bias)
+
+    def _drawn_by_its_holder(self, module: nn.Module) -> bool:
+        """Whether the ``_init_weights`` branch of a module holding this one draws its weight (the holder's runs after
+        its children's): every Linear of the model, and the attention layers' bias tables."""
+        for own in self.modules():
+            if own is module and isinstance(module, nn.Linear):
+                return True
+            if isinstance(own, FAT5Attention) and getattr(own, "relative_attention_bias", None) is module:
+                return True
+        return False
 
     def _initialize_weights(self, module, *args, **kwargs):
         # transformers takes a module of custom code that owns no parameter itself as already initialised, so a head

@@ -422,3 +422,33 @@ def test_head_masks_are_refused_by_name(name):
     mask = torch.ones(TINY["num_layers"], TINY["num_heads"])
     with pytest.raises(ValueError, match=f"{name} is not supported: FAT5's fused attention cannot mask"):
         model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **{name: mask})
+
+
+def test_fresh_model_draws_t5s_initialisation_once_per_weight(monkeypatch):
+    """A model built from a config: each weight drawn once (no projection drawn and then drawn again), with the
+    spread transformers' T5 gives the same weight."""
+    from transformers import initialization
+
+    config = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                  tie_word_embeddings=False, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    hf = T5ForConditionalGeneration(T5Config(**config))
+    draws = {}
+    normal = initialization.normal_
+
+    def counting_normal(tensor, *args, **kwargs):
+        draws[id(tensor)] = draws.get(id(tensor), 0) + 1
+        return normal(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(initialization, "normal_", counting_normal)
+    model = FAT5ForConditionalGeneration(FAT5Config(**config))
+    monkeypatch.undo()
+    assert draws and max(draws.values()) == 1
+    hf_parameters = dict(hf.named_parameters())
+    compared = 0
+    for name, parameter in model.named_parameters():
+        if name in hf_parameters and parameter.numel() >= 256:
+            expected = hf_parameters[name].detach().float().std().item()
+            assert abs(parameter.detach().float().std().item() - expected) < 0.15 * expected, name
+            compared += 1
+    assert compared >= 20
