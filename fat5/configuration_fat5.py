@@ -73,7 +73,7 @@ class FAT5Config(PretrainedConfig):
 
     model_type = "fat5"
     # what the Trainer leaves out of the predictions: with the loss's two parts left out too, they are T5's
-    keys_to_ignore_at_inference = ["past_key_values", "ce_loss", "z_loss"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache", "ce_loss", "z_loss"]
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",

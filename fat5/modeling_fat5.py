@@ -123,6 +123,17 @@ class TokenLayout:
         )
 
 
+# transformers 5.24 renamed its models' KV-cache argument and output field from `past_key_values` to `cache` (the old
+# name is deprecated until 5.40): FAT5's forwards take either, and their outputs carry it under the installed name
+_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPastAndCrossAttentions.__dataclass_fields__ else "past_key_values"
+
+
+def _given_cache(cache, past_key_values):
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("give the KV cache once, as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
+
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     # T5 overflows in fp16; transformers clamps after each sub-layer and so do we, for identical outputs
     if hidden_states.dtype != torch.float16:
@@ -568,9 +579,11 @@ class FAT5Stack(nn.Module):
         past_key_values=None,
         output_hidden_states=None,
         return_dict=None,
+        cache=None,
         **kwargs,
     ):
         _check_supported_arguments(self.config, kwargs)
+        past_key_values = _given_cache(cache, past_key_values)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if (input_ids is None) == (inputs_embeds is None):
@@ -632,7 +645,7 @@ class FAT5Stack(nn.Module):
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         output = BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{_CACHE_FIELD: past_key_values}
         )
         return _as_requested(output, return_dict, self.config)
 
@@ -848,17 +861,18 @@ class FAT5Model(FAT5PreTrainedModel):
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
+        cache=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         _check_supported_arguments(self.config, kwargs)
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            past_key_values, inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache,
-            output_hidden_states,
+            _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
+            decoder_segment_ids, use_cache, output_hidden_states,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
@@ -978,6 +992,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         output_hidden_states=None,
         return_dict=None,
         num_items_in_batch=None,
+        cache=None,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -987,8 +1002,8 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             decoder_input_ids = self._shift_right(labels)
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            past_key_values, inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache,
-            output_hidden_states,
+            _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
+            decoder_segment_ids, use_cache, output_hidden_states,
         )
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
@@ -1007,7 +1022,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         output = FAT5Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=decoder_outputs.past_key_values,
+            **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
@@ -1033,20 +1048,20 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         return self._shift_right(labels)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """A static cache given as ``past_key_values`` must hold every position that ``generate`` writes (the ones it
-        sizes itself do): past its end, the cache's ``index_copy_`` fails in the middle of decoding, on a GPU as a
+        """A static cache given to ``generate`` must hold every position that it writes (the ones it sizes itself
+        do): past its end, the cache's ``index_copy_`` fails in the middle of decoding, on a GPU as a
         device-side assert that takes the process's CUDA context with it (transformers' T5 does not check either).
         The other arguments pass through untouched: this private hook's signature is transformers' to change."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         # the decoder writes every position but the last one it generates
         max_cache_length = generation_config.max_length - 1
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(_CACHE_FIELD)
         if not isinstance(cache, EncoderDecoderCache):
             return
         for layer in cache.self_attention_cache.layers:
             if getattr(layer, "is_compileable", False) and layer.max_cache_len < max_cache_length:
                 raise ValueError(
-                    f"past_key_values is a static cache of {layer.max_cache_len} positions, but generate writes up to "
+                    f"the cache given is a static cache of {layer.max_cache_len} positions, but generate writes up to "
                     f"{max_cache_length} decoder positions (max_length - 1): give a StaticCache with max_cache_len >= "
                     f"{max_cache_length}, or pass cache_implementation=\"static\" and let generate size it"
                 )
@@ -1059,9 +1074,10 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             model_kwargs["encoder_outputs"] = copy.copy(model_kwargs["encoder_outputs"])
         return super()._expand_inputs_for_generation(*args, **model_kwargs)
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, *args, **kwargs):
         """``generate`` builds a 4-D causal mask when it decodes into a static cache; FAT5's kernels mask causally from
-        positions and take padding as a (batch, keys) mask, so the 2-D decoder mask passes through unchanged."""
+        positions and take padding as a (batch, keys) mask, so the 2-D decoder mask passes through unchanged (the
+        cache arrives as ``past_key_values`` up to transformers 5.23, as ``cache`` from 5.24: neither is needed)."""
         return attention_mask
 
 

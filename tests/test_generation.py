@@ -120,7 +120,7 @@ def test_a_static_cache_too_small_for_max_length_is_refused_by_name(models):
     arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 8}
     with pytest.raises(IndexError):
         hf.generate(**arguments, past_key_values=cache(hf, 4))
-    with pytest.raises(ValueError, match="past_key_values is a static cache of 4 positions, but generate writes up to 8"):
+    with pytest.raises(ValueError, match="a static cache of 4 positions, but generate writes up to 8"):
         model.generate(**arguments, past_key_values=cache(model, 4))
     # large enough, a cache of the caller's works as in T5
     assert torch.equal(model.generate(**arguments, past_key_values=cache(model, 8)),

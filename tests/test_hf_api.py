@@ -429,8 +429,8 @@ def test_fresh_model_draws_t5s_initialisation_once_per_weight(monkeypatch):
     spread transformers' T5 gives the same weight."""
     from transformers import initialization
 
-    config = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-                  tie_word_embeddings=False, decoder_start_token_id=0)
+    config = {"vocab_size": 512, "d_model": 64, "d_kv": 16, "d_ff": 256, "num_layers": 2, "num_heads": 4,
+              "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "decoder_start_token_id": 0}
     torch.manual_seed(0)
     hf = T5ForConditionalGeneration(T5Config(**config))
     draws = {}

@@ -4,7 +4,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, UMT5Config, UMT5ForConditionalGeneration
+from transformers import (
+    DynamicCache,
+    EncoderDecoderCache,
+    T5Config,
+    T5EncoderModel,
+    T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
+)
 
 from fat5 import (
     FAT5Config,
@@ -322,6 +330,32 @@ def test_decoder_rows_must_hold_the_encoder_rows_examples():
     with pytest.raises(ValueError, match="same examples"):
         model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=torch.ones(2, 3, dtype=torch.long),
               decoder_segment_ids=torch.tensor([[1, 2, 0], [1, 2, 0]]))
+
+
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])
+def test_the_cache_is_taken_under_either_name_and_returned_under_transformers_own(argument):
+    """transformers 5.24 calls the KV cache `cache` where earlier releases said `past_key_values`: a decoding step
+    reads it under either name and returns it in the output field the installed transformers' models use."""
+    from transformers.modeling_outputs import Seq2SeqLMOutput
+
+    field = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch()
+    decoder_input_ids = torch.tensor([[0, 5, 9]] * 3)
+    with torch.no_grad():
+        full = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).logits
+        first = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, :2],
+                      use_cache=True)
+        cache = getattr(first, field)
+        assert cache.get_seq_length() == 2
+        step = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, 2:],
+                     use_cache=True, **{argument: cache})
+    assert relative_error(step.logits[:, -1], full[:, -1]) < 1e-5
+    assert getattr(step, field) is cache and cache.get_seq_length() == 3
+    with pytest.raises(ValueError, match="`cache` or as `past_key_values`, not both"):
+        model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, cache=cache,
+              past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()))
 
 
 @pytest.mark.parametrize("position_encoding", ["t5", "alibi", "rope", "fire", "none"])
