@@ -46,6 +46,8 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
 
     model = AutoModelForSeq2SeqLM.from_pretrained(output / "model").eval()
     tokenizer = AutoTokenizer.from_pretrained(output / "model")
+    # rows for a multiple of 128 ids, as T5's 32,128 for 32,100 tokens (aligned products for the output layer)
+    assert model.config.vocab_size % 128 == 0 and 0 <= model.config.vocab_size - len(tokenizer) < 128
     batch = tokenizer(["[S] To be, or not to be"], return_tensors="pt")
     generated = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert generated.shape == (1, 9)
