@@ -125,7 +125,17 @@ class TokenLayout:
 
 # transformers 5.24 renamed its models' KV-cache argument and output field from `past_key_values` to `cache` (the old
 # name is deprecated until 5.40): FAT5's forwards take either, and their outputs carry it under the installed name
-_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPastAndCrossAttentions.__dataclass_fields__ else "past_key_values"
+_CACHE_FIELD = (
+    "cache" if "cache" in BaseModelOutputWithPastAndCrossAttentions.__dataclass_fields__ else "past_key_values"
+)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """autocast's dtype while it is on for this device type, else None."""
+    # meta tensors (shape and FLOP inference) have no autocast state: asking for theirs raises
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _given_cache(cache, past_key_values):
@@ -165,10 +175,7 @@ class FAT5LayerNorm(nn.Module):
         self.autocast_output = autocast_output
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        device_type = hidden_states.device.type
-        output_dtype = None
-        if self.autocast_output and torch.is_autocast_enabled(device_type):
-            output_dtype = torch.get_autocast_dtype(device_type)
+        output_dtype = _autocast_dtype(hidden_states.device.type) if self.autocast_output else None
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.backend,
                         output_dtype=output_dtype)
 
@@ -188,7 +195,7 @@ def _output_projection_input(hidden_states: torch.Tensor, wo: nn.Linear) -> torc
     if (
         hidden_states.dtype == wo.weight.dtype
         or not wo.weight.dtype.is_floating_point
-        or torch.is_autocast_enabled(hidden_states.device.type)
+        or _autocast_dtype(hidden_states.device.type) is not None
     ):
         return hidden_states
     return hidden_states.to(wo.weight.dtype)
@@ -248,7 +255,9 @@ class FAT5LayerFF(nn.Module):
 
 def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerNorm:
     backend = config.attention_backend if config.use_fused_rms_norm else "reference"
-    return FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon, backend=backend, autocast_output=autocast_output)
+    return FAT5LayerNorm(
+        config.d_model, eps=config.layer_norm_epsilon, backend=backend, autocast_output=autocast_output
+    )
 
 
 class FAT5FIRE(nn.Module):
@@ -625,10 +634,10 @@ class FAT5Stack(nn.Module):
                     batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device,
                     mask_name="the encoder's attention_mask",
                 )
-            device_type = encoder_hidden_states.device.type
-            if torch.is_autocast_enabled(device_type):
+            autocast_dtype = _autocast_dtype(encoder_hidden_states.device.type)
+            if autocast_dtype is not None:
                 # cast once here instead of by autocast at every cross-attention's k and v (and as often back)
-                encoder_hidden_states = encoder_hidden_states.to(torch.get_autocast_dtype(device_type))
+                encoder_hidden_states = encoder_hidden_states.to(autocast_dtype)
 
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
         # as a reference to the first block, whose parameters FSDP shards again once it has run
@@ -733,58 +742,57 @@ class FAT5PreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """T5's initialisation (through transformers' `init`, which leaves weights loaded from a checkpoint alone)."""
-        factor = self.config.initializer_factor
-        d_model, d_kv, n_heads = self.config.d_model, self.config.d_kv, self.config.num_heads
+        """T5's initialisation (through transformers' `init`, which leaves weights loaded from a checkpoint alone).
+        Each Linear and Embedding draws its own weight, once, with the spread of its place in the model
+        (``_draw_of``), so that a direct call on one (transformers' ``resize_token_embeddings`` builds the new head
+        outside the model and calls this on it) and a whole-model pass agree."""
         if isinstance(module, FAT5LayerNorm):
-            init.constant_(module.weight, factor)
+            init.constant_(module.weight, self.config.initializer_factor)
         elif isinstance(module, (nn.Embedding, nn.Linear)):
-            # T5's rule for an embedding or a Linear that no branch below draws: the token embeddings, and the lm_head
-            # that resize_token_embeddings builds (outside the model) for an untied head
-            if not self._drawn_by_its_holder(module):
-                init.normal_(module.weight, mean=0.0, std=factor)
-                if getattr(module, "bias", None) is not None:
-                    init.zeros_(module.bias)
-        elif isinstance(module, FAT5Attention):
-            init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
-            init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.o.weight, mean=0.0, std=factor * (n_heads * d_kv) ** -0.5)
-            if hasattr(module, "relative_attention_bias"):
-                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
-        elif isinstance(module, (FAT5DenseActDense, FAT5DenseGatedActDense)):
-            for name in ("wi", "wi_0", "wi_1"):
-                if hasattr(module, name):
-                    init.normal_(getattr(module, name).weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.wo.weight, mean=0.0, std=factor * self.config.d_ff**-0.5)
+            draw = self._draw_of(module)
+            if draw == "xavier":
+                init.xavier_uniform_(module.weight)
+            elif draw is not None:
+                init.normal_(module.weight, mean=0.0, std=draw)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, FAT5FIRE):
-            for layer in module.mlp:
-                if isinstance(layer, nn.Linear):
-                    init.xavier_uniform_(layer.weight)
-                    init.zeros_(layer.bias)
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
-        elif isinstance(module, FAT5ClassificationHead):
-            for layer in (module.dense, module.out_proj):
-                init.normal_(layer.weight, mean=0.0, std=factor * d_model**-0.5)
-                init.zeros_(layer.bias)
-        elif isinstance(module, (FAT5ForConditionalGeneration, FAT5ForTokenClassification, FAT5ForQuestionAnswering)):
-            head = getattr(module, "lm_head", None) or getattr(module, "classifier", None) or module.qa_outputs
-            std = 1.0 if head is getattr(module, "lm_head", None) else d_model**-0.5
-            if not (head is getattr(module, "lm_head", None) and self.config.tie_word_embeddings):
-                init.normal_(head.weight, mean=0.0, std=factor * std)
-            if head.bias is not None:
-                init.zeros_(head.bias)
 
-    def _drawn_by_its_holder(self, module: nn.Module) -> bool:
-        """Whether the ``_init_weights`` branch of a module holding this one draws its weight (the holder's runs after
-        its children's): every Linear of the model, and the attention layers' bias tables."""
-        for own in self.modules():
-            if own is module and isinstance(module, nn.Linear):
-                return True
-            if isinstance(own, FAT5Attention) and getattr(own, "relative_attention_bias", None) is module:
-                return True
-        return False
+    def _draw_of(self, module: nn.Module) -> float | str | None:
+        """T5's standard deviation for a Linear or Embedding weight of this model ("xavier" for FIRE's MLP, None for
+        an lm_head tied to the embeddings, drawn as them); T5's default, ``initializer_factor``, for the token
+        embeddings and for a module that is not (yet) part of the model."""
+        config = self.config
+        factor, d_model, d_kv, n_heads = config.initializer_factor, config.d_model, config.d_kv, config.num_heads
+        for holder in self.modules():
+            if isinstance(holder, FAT5Attention):
+                stds = {holder.q: (d_model * d_kv) ** -0.5, holder.k: d_model**-0.5, holder.v: d_model**-0.5,
+                        holder.o: (n_heads * d_kv) ** -0.5,
+                        getattr(holder, "relative_attention_bias", None): d_model**-0.5}
+            elif isinstance(holder, (FAT5DenseActDense, FAT5DenseGatedActDense)):
+                stds = {getattr(holder, name, None): d_model**-0.5 for name in ("wi", "wi_0", "wi_1")}
+                stds[holder.wo] = config.d_ff**-0.5
+            elif isinstance(holder, FAT5ClassificationHead):
+                stds = {holder.dense: d_model**-0.5, holder.out_proj: d_model**-0.5}
+            elif isinstance(holder, FAT5FIRE):
+                if any(module is layer for layer in holder.mlp):
+                    return "xavier"
+                continue
+            elif isinstance(holder, (FAT5ForTokenClassification, FAT5ForQuestionAnswering)):
+                head = getattr(holder, "classifier", None) or holder.qa_outputs
+                stds = {head: d_model**-0.5}
+            elif isinstance(holder, FAT5ForConditionalGeneration):
+                if module is holder.lm_head and config.tie_word_embeddings:
+                    return None
+                continue
+            else:
+                continue
+            std = stds.get(module)
+            if std is not None:
+                return factor * std
+        return factor
 
     def _initialize_weights(self, module, *args, **kwargs):
         # transformers takes a module of custom code that owns no parameter itself as already initialised, so a head

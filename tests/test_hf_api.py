@@ -452,3 +452,29 @@ def test_fresh_model_draws_t5s_initialisation_once_per_weight(monkeypatch):
             assert abs(parameter.detach().float().std().item() - expected) < 0.15 * expected, name
             compared += 1
     assert compared >= 20
+
+
+def test_initialising_one_module_draws_it_as_its_place_in_the_model_asks():
+    """`_init_weights` on one Linear (what resize_token_embeddings does with the head it builds) and `init_weights`
+    after a head is replaced draw T5's spread for that module, as a whole fresh model does."""
+    config = FAT5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4,
+                        tie_word_embeddings=False, decoder_start_token_id=0)
+    model = FAT5ForConditionalGeneration(config)
+    for module, std in ((model.lm_head, 1.0), (model.encoder.block[0].layer[0].SelfAttention.q, (64 * 16) ** -0.5),
+                        (model.decoder.block[1].layer[-1].DenseReluDense.wo, 256**-0.5)):
+        with torch.no_grad():
+            module.weight.zero_()
+        model._init_weights(module)
+        assert abs(module.weight.std().item() - std) < 0.1 * std
+    model.set_output_embeddings(torch.nn.Linear(64, 512, bias=False))
+    model.init_weights()
+    assert abs(model.lm_head.weight.std().item() - 1.0) < 0.1
+
+
+def test_a_model_on_the_meta_device_runs_its_forward():
+    """Shape inference on meta tensors: no autocast state to ask for there."""
+    with torch.device("meta"):
+        model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference"))
+        input_ids = torch.zeros(2, 5, dtype=torch.long)
+        output = model(input_ids=input_ids, labels=input_ids)
+    assert output.logits.shape == (2, 5, TINY["vocab_size"]) and output.logits.is_meta
