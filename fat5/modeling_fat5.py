@@ -589,8 +589,13 @@ class FAT5Stack(nn.Module):
         output_hidden_states=None,
         return_dict=None,
         cache=None,
+        layout=None,
+        encoder_layout=None,
         **kwargs,
     ):
+        """``layout`` / ``encoder_layout``: the TokenLayout of ``segment_ids`` / ``encoder_segment_ids`` when the
+        caller has built it already (the seq2seq models build the encoder's once for both stacks: each build reads
+        two numbers back to the host)."""
         _check_supported_arguments(self.config, kwargs)
         past_key_values = _given_cache(cache, past_key_values)
         if output_hidden_states is None:
@@ -607,7 +612,7 @@ class FAT5Stack(nn.Module):
                 raise ValueError("packed rows (segment_ids) cannot be decoded with a KV cache")
             if segment_ids.shape != (batch_size, length):
                 raise ValueError(f"segment_ids must be {(batch_size, length)}, got {tuple(segment_ids.shape)}")
-            layout = TokenLayout.packed(segment_ids)
+            layout = layout if layout is not None else TokenLayout.packed(segment_ids)
         else:
             offset = past_key_values.get_seq_length() if past_key_values is not None else 0
             if isinstance(offset, torch.Tensor):
@@ -618,10 +623,12 @@ class FAT5Stack(nn.Module):
                 mask_name="decoder_attention_mask" if self.is_decoder else "attention_mask",
             )
 
-        encoder_layout = None
-        if encoder_hidden_states is not None:
+        if encoder_hidden_states is None:
+            encoder_layout = None
+        else:
             if encoder_segment_ids is not None:
-                encoder_layout = TokenLayout.packed(encoder_segment_ids)
+                if encoder_layout is None:
+                    encoder_layout = TokenLayout.packed(encoder_segment_ids)
                 same_examples = layout.is_packed and layout.examples.shape == encoder_layout.examples.shape
                 if not same_examples or not torch.equal(layout.examples, encoder_layout.examples):
                     raise ValueError(
@@ -896,12 +903,16 @@ def _encode_decode(
 
     The caller has refused output_attentions already: the stacks are told False, so that an explicit False is not
     overruled by config.output_attentions."""
+    encoder_layout = None
+    if segment_ids is not None and attention_mask is None:
+        encoder_layout = TokenLayout.packed(segment_ids)
     if encoder_outputs is None:
         encoder_outputs = model.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             segment_ids=segment_ids,
+            layout=encoder_layout,
             output_hidden_states=output_hidden_states,
             output_attentions=False,
             return_dict=True,
@@ -924,6 +935,7 @@ def _encode_decode(
         encoder_hidden_states=encoder_outputs.last_hidden_state,
         encoder_attention_mask=attention_mask,
         encoder_segment_ids=segment_ids,
+        encoder_layout=encoder_layout,
         past_key_values=past_key_values,
         output_hidden_states=output_hidden_states,
         output_attentions=False,

@@ -303,6 +303,28 @@ def test_packed_batch_through_the_triton_kernels_matches_the_reference():
         assert relative_error(grads[name], expected_grads[name]) < 1e-4, name
 
 
+def test_a_packed_forward_builds_each_rows_layout_once(monkeypatch):
+    """The encoder's packed layout serves the encoder and the decoder's cross-attention: each build reads two numbers
+    back to the host, so a training step builds two layouts (encoder rows, decoder rows), not three."""
+    from fat5.modeling_fat5 import TokenLayout
+
+    built = []
+    packed = TokenLayout.packed.__func__
+
+    def counting_packed(cls, segment_ids):
+        built.append(tuple(segment_ids.shape))
+        return packed(cls, segment_ids)
+
+    monkeypatch.setattr(TokenLayout, "packed", classmethod(counting_packed))
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference"))
+    segment_ids = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2]])
+    decoder_segment_ids = torch.tensor([[1, 1, 2, 0], [1, 2, 2, 2]])
+    labels = torch.randint(2, TINY["vocab_size"], (2, 4)).masked_fill(decoder_segment_ids == 0, -100)
+    model(input_ids=torch.randint(2, TINY["vocab_size"], (2, 6)), segment_ids=segment_ids,
+          decoder_input_ids=labels.clamp(min=0), decoder_segment_ids=decoder_segment_ids, labels=labels).loss.backward()
+    assert built == [(2, 6), (2, 4)]
+
+
 def test_packed_layout_cuts_rows_into_example_slots_and_a_padding_tail():
     """A hand-counted case: two rows, the second with one example of the batch's two and no padding."""
     from fat5.modeling_fat5 import TokenLayout
