@@ -776,10 +776,12 @@ class FAT5PreTrainedModel(PreTrainedModel):
         for holder in self.modules():
             if isinstance(holder, FAT5Attention):
                 stds = {holder.q: (d_model * d_kv) ** -0.5, holder.k: d_model**-0.5, holder.v: d_model**-0.5,
-                        holder.o: (n_heads * d_kv) ** -0.5,
-                        getattr(holder, "relative_attention_bias", None): d_model**-0.5}
+                        holder.o: (n_heads * d_kv) ** -0.5}
+                if hasattr(holder, "relative_attention_bias"):
+                    stds[holder.relative_attention_bias] = d_model**-0.5
             elif isinstance(holder, (FAT5DenseActDense, FAT5DenseGatedActDense)):
-                stds = {getattr(holder, name, None): d_model**-0.5 for name in ("wi", "wi_0", "wi_1")}
+                inputs = [getattr(holder, name) for name in ("wi", "wi_0", "wi_1") if hasattr(holder, name)]
+                stds = dict.fromkeys(inputs, d_model**-0.5)
                 stds[holder.wo] = config.d_ff**-0.5
             elif isinstance(holder, FAT5ClassificationHead):
                 stds = {holder.dense: d_model**-0.5, holder.out_proj: d_model**-0.5}

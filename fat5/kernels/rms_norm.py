@@ -4,7 +4,8 @@ T5's norm (``transformers.models.t5.modeling_t5.T5LayerNorm``) computes the vari
 ``x`` by ``rsqrt(variance + eps)`` in fp32, casts that to the weight's dtype when the weight is fp16/bf16, and only
 then multiplies by the weight. Every backend here reproduces that order, so a converted checkpoint gives the same
 activations. ``output_dtype`` rounds that product once into another dtype (the model passes autocast's for the norms
-whose output only feeds projections: the value autocast would have cast it to, without an fp32 tensor in between). The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eager mode and as
+whose output only feeds projections: the value autocast would have cast it to, without an fp32 tensor in between).
+The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eager mode and as
 ``torch.library`` custom ops with fake implementations under ``torch.compile(fullgraph=True)``.
 """
 
