@@ -1,16 +1,19 @@
 """Attention with a position bias: FAT5's Triton kernels against their peers, in one process on one GPU.
 
-bf16, heads 12, batch x length = 16384 tokens, length 512..16384, encoder (bidirectional, no mask) and decoder
-(causal, T5's unidirectional buckets); the bucket table (32 x heads) receives its gradient wherever there is one.
+bf16, heads 12, batch x length = 32768 tokens, length 512..16384: the encoder's self-attention (bidirectional
+buckets, no mask), the decoder's (causal, T5's unidirectional buckets) and cross-attention (L / 4 queries against L
+keys, no bias); the bucket table (32 x heads) receives its gradient wherever there is one.
 
-Peers: SDPA flash with no bias (the ceiling: what attention costs without a position bias), FlexAttention with
-the same bias as a ``score_mod`` (compiled), SDPA with the bias materialised as an (heads, L, L) tensor. Tables:
-T5 at head_dim 64 and 128, ALiBi at 64; a decoding step (1 query against a 4k..32k cache) against memory bandwidth.
+Peers: SDPA's cuDNN backend with no bias (the H100's ceiling: what attention costs without a position bias, about
+1.6x FlashAttention-2 up to L 2048), SDPA's FlashAttention-2 with no bias, FlexAttention with the same bias as a
+``score_mod`` (compiled), SDPA (default backend choice, and cuDNN) with the bias materialised as a (1, heads, L, L)
+tensor whose gradient reaches the table through the gather. Tables: T5 at head_dim 64 and 128, ALiBi at 64,
+cross-attention at 64; a decoding step (1 query against a 4k..32k cache) against memory bandwidth.
 
-Method (see ../shared/BENCHMARKS.md): every variant is first checked against the fp32 reference (relative error of
-the output and of every gradient); times are ``triton.testing.do_bench`` medians; FLOPs are 4·B·H·L²·D for the
-forward (halved when causal) and 3.5 times that for forward+backward; peak memory is
-``max_memory_allocated`` during forward+backward minus what was allocated before (the inputs).
+Method: every variant is first checked against the fp32 reference (relative error of the output and of every
+gradient); times are ``triton.testing.do_bench`` medians; FLOPs are 4·B·H·Lq·Lk·D for the forward (halved when
+causal) and 3.5 times that for forward+backward; peak memory is ``max_memory_allocated`` during forward+backward
+minus what was allocated before (the inputs).
 
 Compilation (Triton kernels, FlexAttention) happens first, in parallel worker processes that fill the on-disk
 caches; the timing itself runs in this process, one variant at a time.
@@ -36,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
 
 DEVICE = "cuda"
-TOKENS = 16384
+TOKENS = 32768
 HEADS = 12
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
@@ -48,11 +51,15 @@ DECODE_BATCH = 8
 MATERIALISED_MAX_LENGTH = {"forward": 4096, "forward_backward": 2048}
 BREAKDOWN_TOKENS = 32768  # the base-shape training step's encoder: 32 x 1024, 4 x 8192
 BREAKDOWN_LENGTHS = [1024, 8192]
-TABLES = [  # (name, position encoding, head_dim, peers)
-    ("t5_d64", "t5", 64, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
-    ("t5_d128", "t5", 128, ("sdpa_flash_no_bias", "fat5", "flex", "sdpa_materialised")),
-    ("alibi_d64", "alibi", 64, ("sdpa_flash_no_bias", "fat5", "flex")),
+CEILINGS = ("sdpa_cudnn_no_bias", "sdpa_flash_no_bias")  # bias-free peers, compared with the bias-free reference
+BIASED_PEERS = ("fat5", "flex", "sdpa_materialised", "sdpa_cudnn_materialised")
+TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-attention, None for self-attention)
+    ("t5_d64", "t5", 64, CEILINGS + BIASED_PEERS, None),
+    ("cross_d64", "none", 64, CEILINGS + ("fat5",), 4),
+    ("t5_d128", "t5", 128, CEILINGS + BIASED_PEERS, None),
+    ("alibi_d64", "alibi", 64, CEILINGS + ("fat5", "flex"), None),
 ]
+DEFAULT_TABLES = ("t5_d64", "cross_d64")
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers])
     "forward": [(64, 64, 4, 3, 128), (64, 64, 4, 3), (64, 64, 4, 2, 128), (128, 64, 8, 3), (128, 128, 8, 2),
                 (64, 128, 4, 3, 128), (128, 64, 4, 3, 128), (64, 32, 4, 3, 128)],
@@ -87,7 +94,8 @@ def t5_bucket_torch(relative, bidirectional):
 
 
 def implementation(name, position_encoding, causal, length, head_dim):
-    """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes."""
+    """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes (None for
+    cross-attention, which has no position bias). ``length`` is the keys' length."""
     torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape of the run
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -95,9 +103,11 @@ def implementation(name, position_encoding, causal, length, head_dim):
     from fat5.kernels.attention import attention
 
     bidirectional = not causal
-    if name == "sdpa_flash_no_bias":
+    if name in CEILINGS:
+        backend = SDPBackend.CUDNN_ATTENTION if name == "sdpa_cudnn_no_bias" else SDPBackend.FLASH_ATTENTION
+
         def run(q, k, v, position):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
         return run
     if name == "fat5":
@@ -119,15 +129,18 @@ def implementation(name, position_encoding, causal, length, head_dim):
         def run(q, k, v, position):
             return compiled(q, k, v, position, block_mask)
         return run
-    if name == "sdpa_materialised":
+    if name in ("sdpa_materialised", "sdpa_cudnn_materialised"):
         from fat5.kernels.position_bias import t5_position_bias
+
+        backends = [SDPBackend.CUDNN_ATTENTION] if name == "sdpa_cudnn_materialised" else list(SDPBackend)
 
         def run(q, k, v, position):
             bias = t5_position_bias(position, length, length, 0, bidirectional, NUM_BUCKETS, MAX_DISTANCE)
             if causal:
                 hidden = torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)
                 bias = bias.masked_fill(hidden, float("-inf"))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
         return run
     raise ValueError(name)
 
@@ -164,17 +177,18 @@ def _compiled_flex(position_encoding, bidirectional):
     return _FLEX[key]
 
 
-def make_inputs(batch, length, head_dim, position_encoding, seed=0, dtype=torch.bfloat16):
+def make_inputs(batch, length, head_dim, position_encoding, seed=0, dtype=torch.bfloat16, query_divisor=1):
+    """q of length ``length // query_divisor``, k and v of ``length``, and the T5 table or the ALiBi slopes."""
     from fat5.kernels.position_bias import alibi_slopes
 
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
 
-    def tensor(scale):
-        x = torch.randn(batch, HEADS, length, head_dim, device=DEVICE, generator=generator) * scale
+    def tensor(scale, rows=length):
+        x = torch.randn(batch, HEADS, rows, head_dim, device=DEVICE, generator=generator) * scale
         return x.to(dtype).requires_grad_()
 
-    q, k, v = tensor(std), tensor(std), tensor(1.0)
+    q, k, v = tensor(std, length // query_divisor), tensor(std), tensor(1.0)
     if position_encoding == "t5":
         position = (torch.randn(NUM_BUCKETS, HEADS, device=DEVICE, generator=generator) * 2).requires_grad_()
     else:
@@ -186,26 +200,26 @@ def make_inputs(batch, length, head_dim, position_encoding, seed=0, dtype=torch.
 # Measurements
 
 
-def flops(batch, length, head_dim, causal, forward_backward):
-    forward = 4 * batch * HEADS * length * length * head_dim / (2 if causal else 1)
+def flops(batch, length, head_dim, causal, forward_backward, query_divisor=1):
+    forward = 4 * batch * HEADS * (length // query_divisor) * length * head_dim / (2 if causal else 1)
     return forward * (3.5 if forward_backward else 1.0)
 
 
-def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TOKENS // 1024):
-    """Relative errors of the output and every gradient against the fp32 reference (the bias-free ceiling is
+def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TOKENS // 1024, query_divisor=1):
+    """Relative errors of the output and every gradient against the fp32 reference (the bias-free ceilings are
     compared with the bias-free reference)."""
     from fat5.kernels.attention import attention
 
-    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding, seed=1)
+    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding, seed=1, query_divisor=query_divisor)
     run = implementation(name, position_encoding, causal, length, head_dim)
     out = run(q, k, v, position)
     grad_out = torch.randn_like(out)
-    differentiable = [q, k, v] + ([position] if position.requires_grad and name != "sdpa_flash_no_bias" else [])
+    differentiable = [q, k, v] + ([position] if position.requires_grad and name not in CEILINGS else [])
     grads = torch.autograd.grad(out, differentiable, grad_out)
     reference = [t.detach().float().requires_grad_() for t in (q, k, v, position)]
     expected = attention(
         *reference[:3], causal=causal, backend="reference",
-        position_encoding="none" if name == "sdpa_flash_no_bias" else position_encoding,
+        position_encoding="none" if name in CEILINGS else position_encoding,
         bidirectional=not causal, relative_attention_bias=reference[3] if position_encoding == "t5" else None,
         alibi_slopes=reference[3] if position_encoding == "alibi" else None,
     )
@@ -216,16 +230,17 @@ def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TO
     return errors
 
 
-def timed(name, position_encoding, causal, length, head_dim, forward_backward):
+def timed(name, position_encoding, causal, length, head_dim, forward_backward, query_divisor=1):
     import triton.testing
 
     batch = TOKENS // length
-    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding)
+    q, k, v, position = make_inputs(batch, length, head_dim, position_encoding, query_divisor=query_divisor)
     run = implementation(name, position_encoding, causal, length, head_dim)
+    work = flops(batch, length, head_dim, causal, forward_backward, query_divisor)
     if not forward_backward:
         ms = triton.testing.do_bench(lambda: run(q, k, v, position), warmup=25, rep=100, return_mode="median")
-        return {"ms": ms, "tflops": flops(batch, length, head_dim, causal, False) / ms / 1e9}
-    grad_out = torch.randn(batch, HEADS, length, head_dim, device=DEVICE, dtype=q.dtype)
+        return {"ms": ms, "tflops": work / ms / 1e9}
+    grad_out = torch.randn_like(q)
     leaves = [q, k, v] + ([position] if position.requires_grad else [])
 
     def step():
@@ -241,7 +256,7 @@ def timed(name, position_encoding, causal, length, head_dim, forward_backward):
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
     ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
-    return {"ms": ms, "tflops": flops(batch, length, head_dim, causal, True) / ms / 1e9, "peak_mib": peak_mib}
+    return {"ms": ms, "tflops": work / ms / 1e9, "peak_mib": peak_mib}
 
 
 def decoding(cache, name):
@@ -306,7 +321,7 @@ def _apply_overrides(overrides):
 
 def _warm(task):
     """Run one variant once (forward+backward) so its kernels land in the on-disk caches."""
-    name, position_encoding, causal, length, head_dim, overrides = task
+    name, position_encoding, causal, length, head_dim, overrides, *query_divisor = task
 
     _apply_overrides(overrides)
     started = time.time()
@@ -321,7 +336,8 @@ def _warm(task):
                       relative_attention_bias=table, bidirectional=False, backend="triton")
         else:
             batch = TOKENS // length  # FlexAttention compiles per shape: warm the timed shapes
-            q, k, v, position = make_inputs(batch, length, head_dim, position_encoding)
+            q, k, v, position = make_inputs(batch, length, head_dim, position_encoding,
+                                            query_divisor=query_divisor[0] if query_divisor else 1)
             out = implementation(name, position_encoding, causal, length, head_dim)(q, k, v, position)
             out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
@@ -498,12 +514,12 @@ def benchmark(args):
     lengths = args.lengths
     tables = [table for table in TABLES if table[0] in args.tables]
     tasks = []
-    for _, position_encoding, head_dim, peers in tables:
-        for causal in (False, True):
+    for _, position_encoding, head_dim, peers, query_divisor in tables:
+        for causal in _modes(query_divisor):
             for length in lengths:
                 for name in peers:
                     if name in ("fat5", "flex"):
-                        tasks.append((name, position_encoding, causal, length, head_dim, ()))
+                        tasks.append((name, position_encoding, causal, length, head_dim, (), query_divisor or 1))
     tasks += [("decode", "t5", True, cache, 64, ()) for cache in DECODE_CACHES]
     warm_caches(tasks, args.jobs)
 
@@ -514,27 +530,29 @@ def benchmark(args):
             row["fraction_of_copy_bandwidth"] = row["graph_gb_per_s"] / results["copy_gb_per_s"]
             results["decoding"].append(row)
             print(row, flush=True)
-    for table_name, position_encoding, head_dim, peers in tables:
+    for table_name, position_encoding, head_dim, peers, query_divisor in tables:
         rows = []
-        for causal in (False, True):
+        for causal in _modes(query_divisor):
             for name in peers:
                 try:
-                    errors = correctness(name, position_encoding, causal, head_dim)
+                    errors = correctness(name, position_encoding, causal, head_dim, query_divisor=query_divisor or 1)
                 except Exception as error:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
                     errors = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 print(f"{table_name} causal={causal} {name} errors {errors}", flush=True)
                 for length in lengths:
                     row = {"implementation": name, "causal": causal, "length": length, "batch": TOKENS // length,
-                           "errors": errors}
+                           "query_length": length // (query_divisor or 1), "errors": errors}
                     for phase in ("forward", "forward_backward"):
-                        if "error" in errors or (name == "sdpa_materialised"
+                        if "error" in errors or (name.endswith("_materialised")
                                                  and length > MATERIALISED_MAX_LENGTH[phase]):
                             continue
                         try:
                             row[phase] = timed(name, position_encoding, causal, length, head_dim,
-                                               phase == "forward_backward")
+                                               phase == "forward_backward", query_divisor or 1)
                         except torch.OutOfMemoryError:
                             row[phase] = {"error": "out of memory"}
+                        except RuntimeError as error:  # a backend that refuses a shape or a bias gradient
+                            row[phase] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                         torch.cuda.empty_cache()
                     rows.append(row)
                     print(table_name, {k: v for k, v in row.items() if k != "errors"}, flush=True)
@@ -546,14 +564,20 @@ def benchmark(args):
     return results
 
 
+def _modes(query_divisor):
+    """Causal settings a table runs: encoder and decoder for self-attention, non-causal for cross-attention."""
+    return (False,) if query_divisor else (False, True)
+
+
 def _ratios(table_name, rows):
-    """FAT5 against the no-bias ceiling and against FlexAttention, per length and mode."""
+    """FAT5 against the no-bias ceilings (cuDNN, FlashAttention-2) and against FlexAttention, per length and mode."""
     index = {(r["implementation"], r["causal"], r["length"]): r for r in rows}
     summary = []
     for (name, causal, length), row in sorted(index.items(), key=lambda item: (item[0][1], item[0][2])):
         if name != "fat5":
             continue
-        ceiling = index.get(("sdpa_flash_no_bias", causal, length), {})
+        cudnn = index.get(("sdpa_cudnn_no_bias", causal, length), {})
+        flash = index.get(("sdpa_flash_no_bias", causal, length), {})
         flex = index.get(("flex", causal, length), {})
 
         def ratio(a, b, phase, field="tflops"):
@@ -566,11 +590,11 @@ def _ratios(table_name, rows):
             "table": table_name, "causal": causal, "L": length,
             "fwd TFLOP/s": round(row["forward"]["tflops"], 1),
             "fwd+bwd TFLOP/s": round(row["forward_backward"]["tflops"], 1),
-            "fwd / no-bias": ratio(row, ceiling, "forward"),
-            "fwd+bwd / no-bias": ratio(row, ceiling, "forward_backward"),
-            "fwd / flex": ratio(row, flex, "forward"),
+            "fwd / cuDNN": ratio(row, cudnn, "forward"),
+            "fwd+bwd / cuDNN": ratio(row, cudnn, "forward_backward"),
+            "fwd+bwd / FA2": ratio(row, flash, "forward_backward"),
             "fwd+bwd / flex": ratio(row, flex, "forward_backward"),
-            "mem / no-bias": ratio(row, ceiling, "forward_backward", "peak_mib"),
+            "mem / FA2": ratio(row, flash, "forward_backward", "peak_mib"),
         })
     return summary
 
@@ -582,7 +606,7 @@ def plot(document, path):
     import matplotlib.pyplot as plt
 
     tables = document["results"]["tables"]
-    panels = [(name, causal) for name in tables for causal in (False, True)]
+    panels = [(name, causal) for name in tables for causal in dict.fromkeys(r["causal"] for r in tables[name])]
     figure, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 7), squeeze=False)
     for column, (name, causal) in enumerate(panels):
         rows = [r for r in tables[name] if r["causal"] == causal]
@@ -594,9 +618,9 @@ def plot(document, path):
                 if points:
                     axis.plot(*zip(*points), marker="o", label=implementation_name)
             axis.set_xscale("log", base=2)
-            axis.set_title(f"{name} {'decoder (causal)' if causal else 'encoder'} {phase.replace('_', '+')}",
-                           fontsize=9)
-            axis.set_xlabel("sequence length")
+            role = "cross (L/4 queries)" if name.startswith("cross") else "decoder (causal)" if causal else "encoder"
+            axis.set_title(f"{name} {role} {phase.replace('_', '+')}", fontsize=9)
+            axis.set_xlabel("sequence length (keys)")
             axis.set_ylabel("TFLOP/s")
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize=7)
@@ -614,7 +638,8 @@ def main():
     parser.add_argument("--breakdown", action="store_true",
                         help="time the T5 encoder's forward and backward without parts of the bias instead")
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default {LENGTHS} ({BREAKDOWN_LENGTHS} with --breakdown)")
-    parser.add_argument("--tables", nargs="+", default=[table[0] for table in TABLES], help="subset of the tables")
+    parser.add_argument("--tables", nargs="+", default=list(DEFAULT_TABLES), choices=[table[0] for table in TABLES],
+                        help=f"which tables (default {' '.join(DEFAULT_TABLES)})")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
     args = parser.parse_args()
