@@ -132,14 +132,14 @@ def implementation(name, position_encoding, causal, length, head_dim):
     if name in ("sdpa_materialised", "sdpa_cudnn_materialised"):
         from fat5.kernels.position_bias import t5_position_bias
 
-        backends = [SDPBackend.CUDNN_ATTENTION] if name == "sdpa_cudnn_materialised" else list(SDPBackend)
-
         def run(q, k, v, position):
             bias = t5_position_bias(position, length, length, 0, bidirectional, NUM_BUCKETS, MAX_DISTANCE)
             if causal:
                 hidden = torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)
                 bias = bias.masked_fill(hidden, float("-inf"))
-            with sdpa_kernel(backends):
+            if name == "sdpa_materialised":  # SDPA's own choice of backend
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
         return run
     raise ValueError(name)
