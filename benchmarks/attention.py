@@ -47,7 +47,7 @@ LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 DECODE_CACHES = [4096, 8192, 16384, 32768]
 DECODE_BATCH = 8
 # the materialised bias costs O(L^2) memory and its table gradient is an index backward over L^2 elements
-# (0.1 TFLOP/s at 8192 in BENCHMARKS.md): measured only where it fits in a few seconds
+# (0.1 TFLOP/s at 8192 on an H100): measured only where it fits in a few seconds
 MATERIALISED_MAX_LENGTH = {"forward": 4096, "forward_backward": 2048}
 BREAKDOWN_TOKENS = 32768  # the base-shape training step's encoder: 32 x 1024, 4 x 8192
 BREAKDOWN_LENGTHS = [1024, 8192]
@@ -93,6 +93,17 @@ def t5_bucket_torch(relative, bidirectional):
     return offset + torch.where(distance < max_exact, distance, large)
 
 
+def position_bias(position_encoding, position, causal, max_distance=MAX_DISTANCE):
+    """FAT5's description of the bias: the T5 table (the decoder's buckets when causal) or the ALiBi slopes."""
+    from fat5.kernels.position_bias import PositionBias
+
+    if position_encoding == "t5":
+        return PositionBias.t5(position, bidirectional=not causal, max_distance=max_distance)
+    if position_encoding == "alibi":
+        return PositionBias.alibi(position)
+    return PositionBias.none()
+
+
 def implementation(name, position_encoding, causal, length, head_dim):
     """fn(q, k, v, position) -> out for one peer, where position is the T5 table or the ALiBi slopes (None for
     cross-attention, which has no position bias). ``length`` is the keys' length."""
@@ -113,9 +124,8 @@ def implementation(name, position_encoding, causal, length, head_dim):
     if name == "fat5":
         def run(q, k, v, position):
             return attention(
-                q, k, v, causal=causal, position_encoding=position_encoding, bidirectional=bidirectional,
-                relative_attention_bias=position if position_encoding == "t5" else None,
-                alibi_slopes=position if position_encoding == "alibi" else None, backend="triton",
+                q, k, v, causal=causal, position_bias=position_bias(position_encoding, position, causal),
+                backend="triton",
             )
         return run
     if name == "flex":
@@ -219,9 +229,7 @@ def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TO
     reference = [t.detach().float().requires_grad_() for t in (q, k, v, position)]
     expected = attention(
         *reference[:3], causal=causal, backend="reference",
-        position_encoding="none" if name in CEILINGS else position_encoding,
-        bidirectional=not causal, relative_attention_bias=reference[3] if position_encoding == "t5" else None,
-        alibi_slopes=reference[3] if position_encoding == "alibi" else None,
+        position_bias=position_bias("none" if name in CEILINGS else position_encoding, reference[3], causal),
     )
     expected_grads = torch.autograd.grad(expected, reference[: len(differentiable)], grad_out.float())
     errors = {"output": relative_error(out, expected)}
@@ -281,16 +289,15 @@ def decoding(cache, name):
 
     def step(k, v):
         if name == "fat5":
-            return attention(q, k, v, causal=True, query_offset=cache - 1, position_encoding="t5",
-                             relative_attention_bias=table, bidirectional=False, backend="triton")
+            return attention(q, k, v, causal=True, query_offset=cache - 1,
+                             position_bias=position_bias("t5", table, causal=True), backend="triton")
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, scale=1.0)
 
     k, v = caches[0]
     if name == "fat5":
         expected = attention(q.float(), k.float(), v.float(), causal=True, query_offset=cache - 1,
-                             position_encoding="t5", relative_attention_bias=table, bidirectional=False,
-                             backend="reference")
+                             position_bias=position_bias("t5", table, causal=True), backend="reference")
     else:
         expected = attention(q.float(), k.float(), v.float(), backend="reference")
     error = relative_error(step(k, v), expected)
@@ -332,8 +339,8 @@ def _warm(task):
             table = torch.randn(NUM_BUCKETS, HEADS, device=DEVICE)
             from fat5.kernels.attention import attention
 
-            attention(q, kv, kv, causal=True, query_offset=length - 1, position_encoding="t5",
-                      relative_attention_bias=table, bidirectional=False, backend="triton")
+            attention(q, kv, kv, causal=True, query_offset=length - 1,
+                      position_bias=position_bias("t5", table, causal=True), backend="triton")
         else:
             batch = TOKENS // length  # FlexAttention compiles per shape: warm the timed shapes
             q, k, v, position = make_inputs(batch, length, head_dim, position_encoding,
@@ -420,7 +427,7 @@ def sweep(args):
     for head_dim, table in ((64, SWEEP), (128, SWEEP_D128)):
         batch = TOKENS // length
         q, k, v, table_tensor = make_inputs(batch, length, head_dim, "t5")
-        options = {"causal": False, "position_encoding": "t5", "relative_attention_bias": table_tensor,
+        options = {"causal": False, "position_bias": position_bias("t5", table_tensor, causal=False),
                    "backend": "triton"}
         for kind, configs in table.items():
             if kind == "decode":
@@ -493,11 +500,8 @@ def breakdown(args):
             q, k, v, position = make_inputs(batch, length, 64, "t5" if position_encoding == "t5" else "alibi")
             if not table_grad:
                 position = position.detach()
-            options = {"causal": False, "position_encoding": position_encoding, "backend": "triton", **extra}
-            if position_encoding == "t5":
-                options["relative_attention_bias"] = position
-            elif position_encoding == "alibi":
-                options["alibi_slopes"] = position
+            options = {"causal": False, "backend": "triton",
+                       "position_bias": position_bias(position_encoding, position, causal=False, **extra)}
             differentiated = (q, k, v, position) if table_grad else (q, k, v)
             row = {"variant": name, "length": length, "batch": batch, "max_rel_error": _slice_error(q, k, v, options),
                    "forward_ms": _forward_ms(q, k, v, options),

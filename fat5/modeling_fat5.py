@@ -33,7 +33,7 @@ from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen
 from .kernels.cross_entropy import cross_entropy
 from .kernels.linear_cross_entropy import linear_cross_entropy
-from .kernels.position_bias import alibi_slopes
+from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
 
@@ -359,23 +359,20 @@ class FAT5Attention(nn.Module):
             return parameters["weight"]
         return fire_bias(parameters, not self.is_decoder, query_length, key_length, query_offset)
 
-    def _position_arguments(self, position_source: torch.Tensor | None, device) -> dict:
+    def _position_bias(self, position_source: torch.Tensor | None, device) -> PositionBias:
+        """What the attention kernels add to the scores (RoPE, applied to q and k beforehand, adds nothing)."""
         if self.position_encoding == "t5":
-            return dict(
-                position_encoding="t5",
-                relative_attention_bias=position_source,
-                bidirectional=not self.is_decoder,
-                num_buckets=self.relative_attention_num_buckets,
-                max_distance=self.relative_attention_max_distance,
+            return PositionBias.t5(
+                position_source, bidirectional=not self.is_decoder, max_distance=self.relative_attention_max_distance
             )
         if self.position_encoding == "alibi":
             # made once per device: a host-to-device copy in every call would stall the step
             if self._alibi_slopes is None or self._alibi_slopes.device != device:
                 self._alibi_slopes = alibi_slopes(self.n_heads).to(device)
-            return dict(position_encoding="alibi", alibi_slopes=self._alibi_slopes)
+            return PositionBias.alibi(self._alibi_slopes)
         if self.position_encoding == "fire":
-            return dict(position_encoding="bias", attn_bias=position_source)
-        return dict(position_encoding="none")
+            return PositionBias.explicit(position_source)
+        return NO_POSITION_BIAS
 
     def _static_cache(self, past_key_values) -> bool:
         """Whether this self-attention layer decodes into a fixed-size cache buffer (transformers' StaticCache)."""
@@ -444,7 +441,7 @@ class FAT5Attention(nn.Module):
         elif shared_position:
             shared = dict(zip(self.position_parameter_names, shared_position))
             position_source = self._position_source(shared, *position_lengths)
-        position = self._position_arguments(position_source, query.device)
+        position_bias = self._position_bias(position_source, query.device)
 
         if layout.is_packed:
             # the segments follow the tokens' row-major order (TokenLayout): the batch viewed as one row of tokens
@@ -453,7 +450,7 @@ class FAT5Attention(nn.Module):
                 query.transpose(1, 2).reshape(flat_shape), key.transpose(1, 2).reshape(flat_shape),
                 value.transpose(1, 2).reshape(flat_shape), layout.cu_seqlens, key_value_layout.cu_seqlens,
                 layout.max_seqlen, key_value_layout.max_seqlen,
-                scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend, **position,
+                position_bias=position_bias, scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend,
             )
             output = output.view(batch_size, query_length, self.inner_dim)
         else:
@@ -471,7 +468,7 @@ class FAT5Attention(nn.Module):
             output = attention(
                 query, key, value,
                 scale=self.scale, causal=self.causal, key_padding_mask=key_padding_mask, query_offset=query_offset,
-                dropout_p=dropout_p, backend=backend, **position,
+                dropout_p=dropout_p, backend=backend, position_bias=position_bias,
             )
             output = output.transpose(1, 2).reshape(batch_size, query_length, self.inner_dim)
         return self.o(output), shared_position

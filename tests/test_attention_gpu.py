@@ -6,7 +6,7 @@ import torch
 from fat5.kernels import attention_triton
 from fat5.kernels.attention import attention, attention_varlen
 from fat5.kernels.attention_triton import t5_relative_buckets
-from fat5.kernels.position_bias import alibi_slopes, t5_relative_bucket
+from fat5.kernels.position_bias import PositionBias, alibi_slopes, t5_relative_bucket
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2
@@ -72,13 +72,14 @@ def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, qu
     position = {"t5": [table], "bias": [bias]}.get(position_encoding, [])
 
     def run(backend, q, k, v, *position_tensor):
-        return attention(
-            q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
-            position_encoding=position_encoding, bidirectional=not causal,
-            relative_attention_bias=position_tensor[0] if position_encoding == "t5" else None,
-            alibi_slopes=slopes, attn_bias=position_tensor[0] if position_encoding == "bias" else None,
-            backend=backend,
-        )
+        position_bias = {
+            "t5": lambda: PositionBias.t5(position_tensor[0], bidirectional=not causal),
+            "alibi": lambda: PositionBias.alibi(slopes),
+            "bias": lambda: PositionBias.explicit(position_tensor[0]),
+            "none": PositionBias.none,
+        }[position_encoding]()
+        return attention(q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
+                         position_bias=position_bias, backend=backend)
 
     check_against_reference(run, [query, key, value, *position])
 
@@ -102,8 +103,7 @@ def test_every_architectures_tiles_against_the_fp32_reference(monkeypatch, archi
 
     def run(backend, q, k, v, position_table):
         return attention(q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
-                         position_encoding="t5", bidirectional=not causal, relative_attention_bias=position_table,
-                         backend=backend)
+                         position_bias=PositionBias.t5(position_table, bidirectional=not causal), backend=backend)
 
     check_against_reference(run, [query, key, value, table])
 
@@ -121,8 +121,7 @@ def test_varlen_bf16_several_segments(causal):
 
     def run(backend, q, k, v, t):
         return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
-                                position_encoding="t5", relative_attention_bias=t, bidirectional=not causal,
-                                backend=backend)
+                                position_bias=PositionBias.t5(t, bidirectional=not causal), backend=backend)
 
     check_against_reference(run, [query, key, value, table])
 
@@ -136,8 +135,8 @@ def test_decoding_against_a_long_cache(cache):
     table = leaf(32, heads, std=2.0, dtype=torch.float32)
 
     def run(backend, q, k, v, t):
-        return attention(q, k, v, causal=True, query_offset=cache - 1, position_encoding="t5",
-                         relative_attention_bias=t, bidirectional=False, backend=backend)
+        return attention(q, k, v, causal=True, query_offset=cache - 1,
+                         position_bias=PositionBias.t5(t, bidirectional=False), backend=backend)
 
     check_against_reference(run, [query, key, value, table])
 
@@ -150,7 +149,7 @@ def test_one_cuda_graph_decodes_every_position():
     table = torch.randn(32, heads, device="cuda")
     query = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
     position = torch.zeros(1, dtype=torch.long, device="cuda")
-    options = dict(causal=True, position_encoding="t5", relative_attention_bias=table, bidirectional=False)
+    options = {"causal": True, "position_bias": PositionBias.t5(table, bidirectional=False)}
 
     def step():
         return attention(query, key, value, query_offset=position, **options)
@@ -183,7 +182,7 @@ def test_gradients_are_bitwise_reproducible(deterministic_algorithms):
     try:
         grads = []
         for _ in range(3):
-            out = attention(query, key, value, position_encoding="t5", relative_attention_bias=table, backend="triton")
+            out = attention(query, key, value, position_bias=PositionBias.t5(table), backend="triton")
             grads.append(torch.autograd.grad(out, (query, key, value, table), torch.ones_like(out)))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -201,7 +200,7 @@ def test_fp32_inputs_are_accepted():
     table = leaf(32, 2, dtype=torch.float32)
 
     def run(backend, q, k, v, t):
-        return attention(q, k, v, position_encoding="t5", relative_attention_bias=t, backend=backend)
+        return attention(q, k, v, position_bias=PositionBias.t5(t), backend=backend)
 
     errors = check_against_reference(run, [query, key, value, table], tolerance=1e-4)
     assert max(errors) <= 1e-4
@@ -213,8 +212,8 @@ def test_torch_compile_fullgraph_with_inductor():
     table = leaf(32, 4, dtype=torch.float32)
 
     def step(q, k, v, t):
-        out = attention(q * 1.0, k, v, position_encoding="t5", relative_attention_bias=t, causal=True,
-                        bidirectional=False, backend="triton")
+        out = attention(q * 1.0, k, v, position_bias=PositionBias.t5(t, bidirectional=False), causal=True,
+                        backend="triton")
         return out.float().square().mean()
 
     compiled = torch.compile(step, fullgraph=True)

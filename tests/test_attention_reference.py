@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fat5.kernels.attention import attention, attention_varlen
-from fat5.kernels.position_bias import alibi_slopes, t5_relative_bucket
+from fat5.kernels.position_bias import PositionBias, alibi_slopes, t5_relative_bucket
 
 
 def hand_bucket(relative_position, bidirectional, num_buckets, max_distance):
@@ -88,10 +88,15 @@ def test_reference_matches_naive_softmax(batch, heads, query_length, key_length,
         "alibi": lambda h, i, j: -float(slopes[h]) * abs(j - i),
         "bias": lambda h, i, j: float(full_bias[0, h, i - offset, j]),
     }[encoding]
+    position_bias = {
+        "none": PositionBias.none(),
+        "t5": PositionBias.t5(table, bidirectional=bidirectional, max_distance=12),
+        "alibi": PositionBias.alibi(slopes),
+        "bias": PositionBias.explicit(full_bias),
+    }[encoding]
     actual = attention(
-        q, k, v, scale=0.5, causal=causal, key_padding_mask=keep, query_offset=offset, position_encoding=encoding,
-        relative_attention_bias=table, bidirectional=bidirectional, num_buckets=8, max_distance=12,
-        alibi_slopes=slopes, attn_bias=full_bias, backend="reference",
+        q, k, v, scale=0.5, causal=causal, key_padding_mask=keep, query_offset=offset, position_bias=position_bias,
+        backend="reference",
     )
     expected = naive_attention(q, k, v, 0.5, causal, keep, offset, bias_of)
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
@@ -111,8 +116,8 @@ def test_varlen_equals_each_segment_alone(lengths, causal, seed):
     ]
     cu_q = torch.tensor([0] + [sum(lq for lq, _ in lengths[: s + 1]) for s in range(len(lengths))], dtype=torch.int32)
     cu_k = torch.tensor([0] + [sum(lk for _, lk in lengths[: s + 1]) for s in range(len(lengths))], dtype=torch.int32)
-    options = dict(causal=causal, position_encoding="t5", relative_attention_bias=table, bidirectional=not causal,
-                   num_buckets=8, max_distance=12, backend="reference")
+    options = {"causal": causal, "position_bias": PositionBias.t5(table, bidirectional=not causal, max_distance=12),
+               "backend": "reference"}
     packed = attention_varlen(
         torch.cat([s[0] for s in segments]), torch.cat([s[1] for s in segments]), torch.cat([s[2] for s in segments]),
         cu_q, cu_k, max(lq for lq, _ in lengths), max(lk for _, lk in lengths), **options,
@@ -130,10 +135,14 @@ def test_a_query_that_sees_no_key_outputs_zeros():
 
 def test_bad_arguments_are_named():
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="position_encoding"):
-        attention(q, q, q, position_encoding="sinusoidal")
-    with pytest.raises(ValueError, match="relative_attention_bias"):
-        attention(q, q, q, position_encoding="t5")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        PositionBias("sinusoidal", q)
+    with pytest.raises(ValueError, match="needs a tensor"):
+        PositionBias("t5")
+    with pytest.raises(ValueError, match=r"\(num_buckets, heads\)"):
+        PositionBias.t5(torch.randn(8))
+    with pytest.raises(TypeError, match="position_bias must be a PositionBias"):
+        attention(q, q, q, position_bias="t5")
     with pytest.raises(ValueError, match="heads or head_dim"):
         attention(q, torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4))
     with pytest.raises(ValueError, match="key_padding_mask"):

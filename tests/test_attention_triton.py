@@ -14,6 +14,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 from fat5.kernels import attention_triton
 from fat5.kernels.attention import attention, attention_varlen
+from fat5.kernels.position_bias import PositionBias
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,6 +48,38 @@ def truth(query, key, value, *, scale=1.0, causal=False, key_padding_mask=None, 
     scores = scores.masked_fill(~visible, float("-inf"))
     probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without a visible key give 0
     return probabilities @ value
+
+
+def position_bias_of(position_encoding, table=None, slopes=None, bias=None, bidirectional=True, max_distance=128):
+    """The kernels' description of what ``truth`` adds for the same keyword arguments."""
+    if position_encoding == "t5":
+        return PositionBias.t5(table, bidirectional=bidirectional, max_distance=max_distance)
+    if position_encoding == "alibi":
+        return PositionBias.alibi(slopes)
+    if position_encoding == "bias":
+        return PositionBias.explicit(bias)
+    return PositionBias.none()
+
+
+def _split_position_options(options):
+    """(PositionBias, the other attention options) from ``truth``'s keyword arguments (num_buckets is the table's)."""
+    options = dict(options)
+    options.pop("num_buckets", None)
+    position = {name: options.pop(name) for name in ("position_encoding", "table", "slopes", "bias", "bidirectional",
+                                                     "max_distance") if name in options}
+    return position_bias_of(**position), options
+
+
+def fat5_attention(q, k, v, **truth_options):
+    """fat5's Triton attention called with ``truth``'s keyword arguments."""
+    position_bias, options = _split_position_options(truth_options)
+    return attention(q, k, v, position_bias=position_bias, backend="triton", **options)
+
+
+def fat5_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **truth_options):
+    position_bias, options = _split_position_options(truth_options)
+    return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, position_bias=position_bias, backend="triton",
+                            **options)
 
 
 def relative_error(actual, expected):
@@ -119,8 +152,8 @@ def test_every_encoding_with_padding_and_offset(position_encoding, causal, query
     inputs = (query, key, value) + ((position,) if position is not None else ())
 
     def kernel(q, k, v, *position_tensor):
-        return attention(q, k, v, position_encoding=position_encoding, relative_attention_bias=table,
-                         alibi_slopes=slopes, attn_bias=bias, backend="triton", **options)
+        return fat5_attention(q, k, v, position_encoding=position_encoding, table=table, slopes=slopes, bias=bias,
+                              **options)
 
     def reference(q, k, v, *position_tensor):
         return truth(q, k, v, position_encoding=position_encoding, table=table, slopes=slopes, bias=bias, **options)
@@ -145,8 +178,7 @@ def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, ca
     options = {"causal": causal, "key_padding_mask": mask, "query_offset": 3, "num_buckets": 8, "max_distance": 8}
 
     def kernel(q, k, v, position_table):
-        return attention(q, k, v, position_encoding="t5", relative_attention_bias=position_table, backend="triton",
-                         **options)
+        return fat5_attention(q, k, v, position_encoding="t5", table=position_table, **options)
 
     def reference(q, k, v, position_table):
         return truth(q, k, v, position_encoding="t5", table=position_table, **options)
@@ -197,8 +229,8 @@ def test_dense_random_shapes(problem):
     inputs = (query, key, value) + ((position,) if position is not None else ())
 
     def kernel(q, k, v, *position_tensor):
-        return attention(q, k, v, position_encoding=p["position_encoding"], relative_attention_bias=table,
-                         alibi_slopes=slopes, attn_bias=bias, backend="triton", **options)
+        return fat5_attention(q, k, v, position_encoding=p["position_encoding"], table=table, slopes=slopes, bias=bias,
+                              **options)
 
     def reference(q, k, v, *position_tensor):
         return truth(q, k, v, position_encoding=p["position_encoding"], table=table, slopes=slopes, bias=bias,
@@ -232,9 +264,8 @@ def test_varlen_random_segments(lengths, position_encoding, causal, query_offset
     inputs = (query, key, value) + ((position,) if position is not None else ())
 
     def kernel(q, k, v, *position_tensor):
-        return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, position_encoding=position_encoding,
-                                relative_attention_bias=table, alibi_slopes=slopes, attn_bias=bias, backend="triton",
-                                **options)
+        return fat5_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, position_encoding=position_encoding,
+                                     table=table, slopes=slopes, bias=bias, **options)
 
     def reference(q, k, v, *position_tensor):
         outputs = []
@@ -282,7 +313,7 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
                    "num_buckets": 32, "max_distance": 128}
 
     def kernel(q, k, v, t):
-        return attention(q, k, v, position_encoding="t5", relative_attention_bias=t, backend="triton", **options)
+        return fat5_attention(q, k, v, position_encoding="t5", table=t, **options)
 
     def reference(q, k, v, t):
         return truth(q, k, v, position_encoding="t5", table=t, **options)
@@ -320,8 +351,7 @@ def _check_table_gradient_is_deterministic():
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
     grads = []
     for _ in range(2):
-        out = attention(query, key, value, position_encoding="t5", relative_attention_bias=table, num_buckets=8,
-                        max_distance=6, backend="triton")
+        out = fat5_attention(query, key, value, position_encoding="t5", table=table, max_distance=6)
         grads.append(torch.autograd.grad(out.square().sum(), (query, table)))
     assert torch.equal(grads[0][1], grads[1][1])
     expected = truth(query, key, value, position_encoding="t5", table=table, num_buckets=8, max_distance=6)
@@ -340,24 +370,21 @@ def test_query_offset_read_from_a_tensor(position_encoding, query_length):
     key[:, :, position + query_length :] = 0.0  # the unwritten slots of a static cache
     position_arguments = {
         "none": {},
-        "t5": {"relative_attention_bias": torch.randn(8, heads, device=DEVICE), "num_buckets": 8, "max_distance": 6,
+        "t5": {"table": torch.randn(8, heads, device=DEVICE), "num_buckets": 8, "max_distance": 6,
                "bidirectional": False},
-        "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25], device=DEVICE)},
+        "alibi": {"slopes": torch.tensor([0.5, 0.25], device=DEVICE)},
     }[position_encoding]
     offset = torch.tensor([position], device=DEVICE)
     with torch.no_grad():
-        out = attention(query, key, value, causal=True, query_offset=offset, position_encoding=position_encoding,
-                        backend="triton", **position_arguments)
-    truth_arguments = {"t5": {"table": position_arguments.get("relative_attention_bias"), "num_buckets": 8,
-                              "max_distance": 6, "bidirectional": False},
-                       "alibi": {"slopes": position_arguments.get("alibi_slopes")}}.get(position_encoding, {})
+        out = fat5_attention(query, key, value, causal=True, query_offset=offset, position_encoding=position_encoding,
+                             **position_arguments)
     expected = truth(query, key, value, causal=True, query_offset=position, position_encoding=position_encoding,
-                     **truth_arguments)
+                     **position_arguments)
     assert relative_error(out, expected) < 1e-5
     # with autograd recording, the offset is read back to the host: the backward kernels take an int
     leaves = [tensor.clone().requires_grad_() for tensor in (query, key, value)]
-    recorded = attention(*leaves, causal=True, query_offset=offset, position_encoding=position_encoding,
-                         backend="triton", **position_arguments)
+    recorded = fat5_attention(*leaves, causal=True, query_offset=offset, position_encoding=position_encoding,
+                              **position_arguments)
     assert relative_error(recorded, expected) < 1e-5
     assert all(torch.isfinite(grad).all() for grad in torch.autograd.grad(recorded.sum(), leaves))
 
@@ -375,8 +402,8 @@ def test_torch_compile_fullgraph_traces_through_attention():
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
 
     def step(q, k, v, t):
-        out = attention(q, k, v, position_encoding="t5", relative_attention_bias=t, num_buckets=8, max_distance=6,
-                        causal=True, backend="triton")
+        out = attention(q, k, v, position_bias=PositionBias.t5(t, max_distance=6), causal=True,
+                        backend="triton")
         return (out * out).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
@@ -409,11 +436,10 @@ def test_custom_ops_pass_opcheck():
     "arguments, error",
     [
         ({"dropout_p": 0.1}, ValueError),
-        ({"position_encoding": "t5", "relative_attention_bias": torch.zeros(8, 3)}, ValueError),
-        ({"position_encoding": "t5", "relative_attention_bias": torch.zeros(4, 2), "num_buckets": 4, "max_distance": 1},
-         ValueError),
-        ({"position_encoding": "alibi", "alibi_slopes": torch.zeros(3)}, ValueError),
-        ({"position_encoding": "bias", "attn_bias": torch.zeros(3, 1, 1)}, ValueError),
+        ({"position_bias": PositionBias.t5(torch.zeros(8, 3))}, ValueError),
+        ({"position_bias": PositionBias.t5(torch.zeros(4, 2), max_distance=1)}, ValueError),
+        ({"position_bias": PositionBias.alibi(torch.zeros(3))}, ValueError),
+        ({"position_bias": PositionBias.explicit(torch.zeros(3, 1, 1))}, ValueError),
         ({"key_padding_mask": torch.ones(1, 8)}, TypeError),
     ],
 )

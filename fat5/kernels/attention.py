@@ -2,9 +2,9 @@
 
 ``attention`` takes (batch, heads, length, head_dim) tensors, ``attention_varlen`` packed (tokens, heads, head_dim)
 tensors with ``cu_seqlens`` (as flash-attention's ``flash_attn_varlen_func``). Instead of a bias tensor they take a
-description of it: ``"t5"`` (the bucket table), ``"alibi"`` (slopes), ``"bias"`` (an explicit additive tensor, used
-for FIRE) or ``"none"``. The reference below materialises the scores in fp32; it is the CPU path and the truth the
-Triton kernels are tested against.
+``PositionBias`` that describes it: T5's bucket table, ALiBi's slopes, an explicit additive tensor (FIRE's) or none.
+The reference below materialises the scores in fp32; it is the CPU path and the truth the Triton kernels are tested
+against.
 
 Semantics shared by every backend: query row ``i`` sits at position ``query_offset + i`` and key ``j`` at ``j``
 (positions restart at 0 in every varlen segment); ``causal`` hides keys after the query; ``key_padding_mask`` is
@@ -14,16 +14,12 @@ True where a key may be attended; a query that sees no key outputs zeros.
 import torch
 
 from .dispatch import use_triton
-from .position_bias import alibi_position_bias, t5_position_bias
-
-POSITION_ENCODINGS = ("none", "t5", "alibi", "bias")
+from .position_bias import NO_POSITION_BIAS, PositionBias
 
 
-def _check_inputs(
-    query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
-):
-    if position_encoding not in POSITION_ENCODINGS:
-        raise ValueError(f"position_encoding must be one of {POSITION_ENCODINGS}, got {position_encoding!r}")
+def _check_inputs(query, key, value, query_offset, position_bias, dropout_p):
+    if not isinstance(position_bias, PositionBias):
+        raise TypeError(f"position_bias must be a PositionBias (PositionBias.t5(...), ...), got {type(position_bias)}")
     if key.shape != value.shape:
         raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     heads_dim = -2 if query.dim() == 3 else 1
@@ -31,10 +27,6 @@ def _check_inputs(
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on heads or head_dim")
     if not query.dtype.is_floating_point or query.dtype != key.dtype or key.dtype != value.dtype:
         raise TypeError(f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    required = {"t5": relative_attention_bias, "alibi": alibi_slopes, "bias": attn_bias}
-    if position_encoding in required and required[position_encoding] is None:
-        argument = {"t5": "relative_attention_bias", "alibi": "alibi_slopes", "bias": "attn_bias"}[position_encoding]
-        raise ValueError(f"position_encoding={position_encoding!r} needs `{argument}`")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if isinstance(query_offset, torch.Tensor):
@@ -47,20 +39,12 @@ def _check_inputs(
             raise ValueError(f"query_offset is on {query_offset.device} but the query on {query.device}")
 
 
-def _reference(
-    query, key, value, *, scale, causal, key_padding_mask, query_offset, position_encoding,
-    relative_attention_bias, bidirectional, num_buckets, max_distance, alibi_slopes, attn_bias, dropout_p,
-):
+def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offset, position_bias, dropout_p):
     query_length, key_length = query.shape[-2], key.shape[-2]
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-    if position_encoding == "t5":
-        scores = scores + t5_position_bias(
-            relative_attention_bias, query_length, key_length, query_offset, bidirectional, num_buckets, max_distance
-        ).float()
-    elif position_encoding == "alibi":
-        scores = scores + alibi_position_bias(alibi_slopes, query_length, key_length, query_offset)
-    elif position_encoding == "bias":
-        scores = scores + attn_bias.float()
+    bias = position_bias.materialise(query_length, key_length, query_offset)
+    if bias is not None:
+        scores = scores + bias.float()
 
     visible = torch.ones(query_length, key_length, dtype=torch.bool, device=query.device)
     if causal:
@@ -82,52 +66,39 @@ def attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
     scale: float = 1.0,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     query_offset: int | torch.Tensor = 0,
-    position_encoding: str = "none",
-    relative_attention_bias: torch.Tensor | None = None,
-    bidirectional: bool = True,
-    num_buckets: int = 32,
-    max_distance: int = 128,
-    alibi_slopes: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over (batch, heads, length, head_dim) tensors; returns (batch, heads, query_length, head_dim).
 
     Args:
+        position_bias: what is added to the scores (``PositionBias.t5(table, ...)``, ``.alibi(slopes)``,
+            ``.explicit(bias)``; none by default). A T5 table or an explicit bias receives a gradient.
         scale: multiplies ``q·k`` (T5: 1.0, its scaling lives in the initialisation).
         causal: hide keys after the query position.
         key_padding_mask: (batch, key_length) bool, True where the key may be attended.
         query_offset: position of the first query (the cache length when decoding step by step): an int, or a
             one-element integer tensor on the query's device, which the Triton kernel reads in place (no host
             synchronisation; a CUDA graph of a decoding step stays valid as the position advances).
-        position_encoding: ``"none"``, ``"t5"``, ``"alibi"`` or ``"bias"``.
-        relative_attention_bias: the (num_buckets, heads) T5 table, for ``"t5"``; it receives a gradient.
-        bidirectional, num_buckets, max_distance: the T5 bucket parameters.
-        alibi_slopes: (heads,) slopes, for ``"alibi"``.
-        attn_bias: additive bias broadcastable to (batch, heads, query_length, key_length), for ``"bias"``.
         dropout_p: dropout on the attention probabilities.
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``dispatch``).
     """
     if query.dim() != 4:
         raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(
-        query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
-    )
+    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
     if key_padding_mask is not None and key_padding_mask.shape != (key.shape[0], key.shape[2]):
         raise ValueError(
             f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, got {tuple(key_padding_mask.shape)}"
         )
-    arguments = dict(
-        scale=scale, causal=causal, key_padding_mask=key_padding_mask, query_offset=query_offset,
-        position_encoding=position_encoding, relative_attention_bias=relative_attention_bias,
-        bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance,
-        alibi_slopes=alibi_slopes, attn_bias=attn_bias, dropout_p=dropout_p,
-    )
+    arguments = {
+        "position_bias": position_bias, "scale": scale, "causal": causal, "key_padding_mask": key_padding_mask,
+        "query_offset": query_offset, "dropout_p": dropout_p,
+    }
     if use_triton(backend, query):
         from .attention_triton import flash_attention
 
@@ -144,40 +115,31 @@ def attention_varlen(
     max_seqlen_q: int,
     max_seqlen_k: int,
     *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
     scale: float = 1.0,
     causal: bool = False,
     query_offset: int | torch.Tensor = 0,
-    position_encoding: str = "none",
-    relative_attention_bias: torch.Tensor | None = None,
-    bidirectional: bool = True,
-    num_buckets: int = 32,
-    max_distance: int = 128,
-    alibi_slopes: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over packed sequences: (total_tokens, heads, head_dim) tensors, segment ``s`` of the queries being
     rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and attending only to keys ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``.
 
-    Positions restart at 0 in every segment. ``attn_bias`` (for ``"bias"``) is (heads, max_seqlen_q, max_seqlen_k)
-    and is shared by all segments. Other arguments as in :func:`attention`.
+    Positions restart at 0 in every segment. An explicit bias is (heads, max_seqlen_q, max_seqlen_k), shared by all
+    segments. Other arguments as in :func:`attention`.
     """
     if query.dim() != 3:
         raise ValueError(f"attention_varlen expects (tokens, heads, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(
-        query, key, value, query_offset, position_encoding, relative_attention_bias, alibi_slopes, attn_bias, dropout_p
-    )
+    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
         raise ValueError(
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must be 1-D "
             "and of the same length (one entry per segment, plus one)"
         )
-    arguments = dict(
-        scale=scale, causal=causal, query_offset=query_offset, position_encoding=position_encoding,
-        relative_attention_bias=relative_attention_bias, bidirectional=bidirectional, num_buckets=num_buckets,
-        max_distance=max_distance, alibi_slopes=alibi_slopes, attn_bias=attn_bias, dropout_p=dropout_p,
-    )
+    arguments = {
+        "position_bias": position_bias, "scale": scale, "causal": causal, "query_offset": query_offset,
+        "dropout_p": dropout_p,
+    }
     if use_triton(backend, query):
         from .attention_triton import flash_attention_varlen
 
@@ -202,7 +164,8 @@ def _varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     k, _, _, key_lengths = padded(key, cu_seqlens_k, max_seqlen_k)
     v, _, _, _ = padded(value, cu_seqlens_k, max_seqlen_k)
     key_padding_mask = torch.arange(max_seqlen_k, device=key.device)[None, :] < key_lengths[:, None]
-    if arguments["position_encoding"] == "bias":
-        arguments = dict(arguments, attn_bias=arguments["attn_bias"][..., :max_seqlen_q, :max_seqlen_k])
+    bias = arguments["position_bias"]
+    if bias.kind == "bias":
+        arguments = dict(arguments, position_bias=PositionBias.explicit(bias.tensor[..., :max_seqlen_q, :max_seqlen_k]))
     output = _reference(q, k, v, key_padding_mask=key_padding_mask, **arguments)
     return output.transpose(1, 2)[segment, position]

@@ -5,17 +5,20 @@ and ``attention.attention_varlen``; those dispatch here for ``backend="triton"``
 live in ``attention_triton_kernels.py``; its docstring describes how the T5 bias is computed in the kernel.
 
 Both entry points go through two custom ops (``attention_forward`` and ``attention_backward``, with fake
-implementations), so ``torch.compile(fullgraph=True)`` traces through attention without a graph break.
+implementations), so ``torch.compile(fullgraph=True)`` traces through attention without a graph break. A custom op
+takes only tensors and plain values: ``_CallOptions`` is where a call's ``PositionBias`` and other settings are
+flattened into them, and rebuilt.
 """
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from .dispatch import op_namespace
 from .launch import cdiv, device_guard, multiprocessors, next_power_of_2
+from .position_bias import NO_POSITION_BIAS, PositionBias
 
 try:
     import triton
@@ -233,16 +236,50 @@ def _row_stats_strides(stats: torch.Tensor, problem: _Problem) -> tuple[int, int
     return stats.stride(0), stats.stride(1)
 
 
-def _position_arguments(position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance):
+@dataclass(frozen=True)
+class _CallOptions:
+    """The plain values of one attention call, in the order the custom ops take them after their tensors."""
+
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+    causal: bool
+    query_offset: int
+    position_kind: str
+    bidirectional: bool
+    num_buckets: int
+    max_distance: int
+
+    @staticmethod
+    def of(position_bias: PositionBias, max_seqlen_q, max_seqlen_k, scale, causal, query_offset) -> "_CallOptions":
+        return _CallOptions(int(max_seqlen_q), int(max_seqlen_k), float(scale), bool(causal), int(query_offset),
+                            position_bias.kind, bool(position_bias.bidirectional), int(position_bias.num_buckets),
+                            int(position_bias.max_distance))
+
+    def flat(self) -> tuple:
+        return tuple(getattr(self, field.name) for field in fields(self))
+
+    def position_bias(self, tensor: torch.Tensor | None) -> PositionBias:
+        return PositionBias(self.position_kind, tensor, self.bidirectional, self.num_buckets, self.max_distance)
+
+    @property
+    def differentiable_position(self) -> bool:
+        """Whether the position tensor can receive a gradient (the T5 table, an explicit bias; ALiBi's slopes not)."""
+        return self.position_kind in ("t5", "bias")
+
+
+def _position_arguments(position: PositionBias, problem):
     """(bias pointer, its four strides, MAX_DISTANCE, T5 bucket of each relative position) for the kernels; T5
     gets its bias-by-distance rows."""
-    if position_encoding == "t5":
-        buckets, bias_by_distance = _t5_bias_by_distance(position_tensor, bidirectional, num_buckets, max_distance)
-        return bias_by_distance, (0, bias_by_distance.stride(0), 0, 0), max_distance, buckets
-    if position_encoding == "alibi":
-        return position_tensor, (0, 0, 0, 0), 0, None
-    if position_encoding == "bias":
-        bias = _expand_bias(position_tensor, problem)
+    if position.kind == "t5":
+        buckets, bias_by_distance = _t5_bias_by_distance(
+            position.tensor, position.bidirectional, position.num_buckets, position.max_distance
+        )
+        return bias_by_distance, (0, bias_by_distance.stride(0), 0, 0), position.max_distance, buckets
+    if position.kind == "alibi":
+        return position.tensor, (0, 0, 0, 0), 0, None
+    if position.kind == "bias":
+        bias = _expand_bias(position.tensor, problem)
         # varlen segments share one bias: the segment index must not move the pointer
         batch_stride = 0 if problem.is_varlen else bias.stride(0)
         return bias, (batch_stride, *bias.stride()[1:]), 0, None
@@ -256,11 +293,12 @@ def _expand_bias(attn_bias: torch.Tensor, problem: _Problem) -> torch.Tensor:
 
 
 def _forward(
-    query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance, query_offset_tensor=None,
+    query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options: _CallOptions,
+    query_offset_tensor=None,
 ):
-    """``query_offset_tensor``, when given, replaces ``query_offset``: the kernel reads the offset from it."""
-    problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    """``query_offset_tensor``, when given, replaces ``options.query_offset``: the kernel reads the offset from it."""
+    problem = _Problem.of(query, key, cu_seqlens_q, options.max_seqlen_q, options.max_seqlen_k)
+    position = options.position_bias(position_tensor)
     device = query.device
     out = torch.empty_like(query)
     if problem.is_varlen:
@@ -284,9 +322,7 @@ def _forward(
     is_split = num_splits > 1
 
     with device_guard(device):
-        bias, bias_strides, max_distance_arg, _ = _position_arguments(
-            position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
-        )
+        bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
         if is_split:
             partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
@@ -306,12 +342,12 @@ def _forward(
             *_token_strides(out, problem), *_row_stats_strides(lse, problem),
             0 if padding is None else padding.stride(0),
             *bias_strides,
-            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
-            blocks_per_split,
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, options.query_offset,
+            options.scale * 1.4426950408889634, blocks_per_split,
             HEAD_DIM=problem.head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            POSITION=_POSITION_CODES[position_encoding], MAX_DISTANCE=max_distance_arg, CAUSAL=causal,
+            POSITION=_POSITION_CODES[position.kind], MAX_DISTANCE=max_distance_arg, CAUSAL=options.causal,
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
-            SAFE_CLEAN=padding is not None or position_encoding == "bias",
+            SAFE_CLEAN=padding is not None or position.kind == "bias",
             OFFSET_IN_MEMORY=query_offset_tensor is not None,
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
@@ -343,23 +379,22 @@ def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table
 
 def _backward(
     grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets,
-    max_distance, position_grad,
+    options: _CallOptions, position_grad,
 ):
-    problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    problem = _Problem.of(query, key, cu_seqlens_q, options.max_seqlen_q, options.max_seqlen_k)
+    position = options.position_bias(position_tensor)
+    scale, causal = options.scale, options.causal
     device = query.device
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    table_grad = position_grad and position_encoding == "t5"
-    bias_grad = position_grad and position_encoding == "bias"
+    table_grad = position_grad and position.kind == "t5"
+    bias_grad = position_grad and position.kind == "bias"
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dkdv_config = _config("dkdv", device, problem.head_dim, query.dtype)
     dq_config = _config("dq", device, problem.head_dim, query.dtype)
     num_n_blocks = cdiv(problem.seqlen_k, dkdv_config.block_n)
     with device_guard(device):
-        bias, bias_strides, max_distance_arg, buckets = _position_arguments(
-            position_encoding, position_tensor, problem, bidirectional, num_buckets, max_distance
-        )
+        bias, bias_strides, max_distance_arg, buckets = _position_arguments(position, problem)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
         dummy = lse
         delta = torch.empty_like(lse)
@@ -372,7 +407,7 @@ def _backward(
         )
         distance_grad = dbias = None
         if table_grad:  # one row of sums per relative position for each program of the dk/dv kernel
-            distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
+            distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * position.max_distance + 3,
                                         dtype=torch.float32, device=device)
         if bias_grad:
             dbias = torch.zeros(
@@ -391,7 +426,7 @@ def _backward(
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
         )
         shape_arguments = (
-            problem.num_heads, problem.seqlen_q, problem.seqlen_k, query_offset, scale * 1.4426950408889634,
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, options.query_offset, scale * 1.4426950408889634,
         )
         grid = (num_n_blocks, problem.batch * problem.num_heads)
         # dq: added into an fp32 buffer by the dk/dv kernel (atomics, as FlashAttention-2), or computed by its own
@@ -411,7 +446,7 @@ def _backward(
             *bias_strides,
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
             *shape_arguments, scale,
-            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position_encoding],
+            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position.kind],
             EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
             **common, **_launch_kwargs(dkdv_config, device),
         )
@@ -426,7 +461,7 @@ def _backward(
                 0 if padding is None else padding.stride(0),
                 *bias_strides,
                 *shape_arguments, scale,
-                BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position_encoding],
+                BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position.kind],
                 **common, **_launch_kwargs(dq_config, device),
             )
     position_gradient = query.new_empty(0)
@@ -457,24 +492,22 @@ def attention_forward_op(
     scale: float,
     causal: bool,
     query_offset: int,
-    position_encoding: str,
+    position_kind: str,
     bidirectional: bool,
     num_buckets: int,
     max_distance: int,
     query_offset_tensor: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output and its row log-sum-exp (log2 units, +inf for rows that see no key)."""
-    return _forward(
-        query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-        max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets, max_distance,
-        query_offset_tensor,
-    )
+    """Attention output and its row log-sum-exp (log2 units, +inf for rows that see no key). The plain values
+    after the tensors are the fields of ``_CallOptions``."""
+    options = _CallOptions(max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_kind, bidirectional,
+                           num_buckets, max_distance)
+    return _forward(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options,
+                    query_offset_tensor)
 
 
 @attention_forward_op.register_fake
-def _attention_forward_fake(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding,
-                            bidirectional, num_buckets, max_distance, query_offset_tensor):
+def _attention_forward_fake(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, *_):
     if cu_seqlens_q is None:
         lse = query.new_empty(query.shape[:3], dtype=torch.float32)
     else:
@@ -499,25 +532,23 @@ def attention_backward_op(
     scale: float,
     causal: bool,
     query_offset: int,
-    position_encoding: str,
+    position_kind: str,
     bidirectional: bool,
     num_buckets: int,
     max_distance: int,
     position_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the gradient of the position tensor (the T5 table or the explicit bias; empty otherwise)."""
-    return _backward(
-        grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding, bidirectional, num_buckets,
-        max_distance, position_grad,
-    )
+    options = _CallOptions(max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_kind, bidirectional,
+                           num_buckets, max_distance)
+    return _backward(grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
+                     cu_seqlens_k, options, position_grad)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
-                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_encoding,
-                             bidirectional, num_buckets, max_distance, position_grad):
-    if position_grad and position_encoding in ("t5", "bias"):
+def _attention_backward_fake(grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, *rest):
+    *plain_values, position_grad = rest[2:]
+    if position_grad and _CallOptions(*plain_values).differentiable_position:
         position_gradient = torch.empty_like(position_tensor, memory_format=torch.contiguous_format)
     else:
         position_gradient = query.new_empty(0)
@@ -525,22 +556,23 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, key_padding_
 
 
 def _setup_context(ctx, inputs, output):
-    (query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options, _) = inputs
+    query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *plain_values, _ = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = options
+    ctx.options = _CallOptions(*plain_values)
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    position_encoding = ctx.options[5]
-    position_grad = ctx.needs_input_grad[4] and position_encoding in ("t5", "bias")
+    position_grad = ctx.needs_input_grad[4] and ctx.options.differentiable_position
     dq, dk, dv, position_gradient = attention_backward_op(
         grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-        *ctx.options, position_grad,
+        *ctx.options.flat(), position_grad,
     )
-    return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 12
+    # no gradient for cu_seqlens_q, cu_seqlens_k, the plain values and query_offset_tensor
+    unused = (None,) * (3 + len(fields(_CallOptions)))
+    return (dq, dk, dv, None, position_gradient if position_grad else None) + unused
 
 
 attention_forward_op.register_autograd(_attention_backward, setup_context=_setup_context)
@@ -551,38 +583,40 @@ class _EagerAttention(torch.autograd.Function):
     custom-op machinery costs more host time than a short attention call takes on the GPU."""
 
     @staticmethod
-    def forward(ctx, query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, *options):
-        out, lse = _forward(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-                            *options)
+    def forward(ctx, query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+                options: _CallOptions, query_offset_tensor):
+        out, lse = _forward(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options,
+                            query_offset_tensor)
         ctx.save_for_backward(query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
                               cu_seqlens_k)
-        ctx.options = options[:-1]  # without query_offset_tensor, which only inference passes
+        ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        position_grad = ctx.needs_input_grad[4] and ctx.options[5] in ("t5", "bias")
+        position_grad = ctx.needs_input_grad[4] and ctx.options.differentiable_position
         dq, dk, dv, position_gradient = _backward(
             grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
-            *ctx.options, position_grad,
+            ctx.options, position_grad,
         )
-        return (dq, dk, dv, None, position_gradient if position_grad else None) + (None,) * 12
+        return dq, dk, dv, None, position_gradient if position_grad else None, None, None, None, None
 
 
-def _attention(*arguments) -> torch.Tensor:
+def _attention(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
+               options: _CallOptions, query_offset_tensor) -> torch.Tensor:
     """The custom op when traced by torch.compile (no graph break), the autograd.Function otherwise."""
+    tensors = (query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k)
     if torch.compiler.is_compiling():
-        return attention_forward_op(*arguments)[0]
-    return _EagerAttention.apply(*arguments)
+        return attention_forward_op(*tensors, *options.flat(), query_offset_tensor)[0]
+    return _EagerAttention.apply(*tensors, options, query_offset_tensor)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
-                            max_distance, alibi_slopes, dropout_p):
+def _check_triton_arguments(query, position_bias: PositionBias, num_heads, dropout_p):
     if triton is None:
         raise RuntimeError("the Triton attention needs the `triton` package, which is not installed")
     if query.dtype not in _SUPPORTED_DTYPES:
@@ -594,17 +628,18 @@ def _check_triton_arguments(query, position_encoding, relative_attention_bias, n
             "the Triton attention does not implement attention dropout: pass dropout_p=0.0, or backend='reference' "
             "to train with dropout on the attention probabilities"
         )
-    if position_encoding == "t5":
-        if relative_attention_bias.shape != (num_buckets, num_heads):
+    if position_bias.kind == "t5":
+        if position_bias.tensor.shape[1] != num_heads:
             raise ValueError(
-                f"relative_attention_bias must be (num_buckets, heads) = {(num_buckets, num_heads)}, "
-                f"got {tuple(relative_attention_bias.shape)}"
+                f"the T5 table must be (num_buckets, heads) with {num_heads} heads, got {tuple(position_bias.tensor.shape)}"
             )
-        if max_distance > _MAX_T5_DISTANCE:
-            raise ValueError(f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, got {max_distance}")
-        _check_t5_buckets(bidirectional, num_buckets, max_distance)
-    if position_encoding == "alibi" and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes must be (heads,) = ({num_heads},), got {tuple(alibi_slopes.shape)}")
+        if position_bias.max_distance > _MAX_T5_DISTANCE:
+            raise ValueError(
+                f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, got {position_bias.max_distance}"
+            )
+        _check_t5_buckets(position_bias.bidirectional, position_bias.num_buckets, position_bias.max_distance)
+    if position_bias.kind == "alibi" and position_bias.tensor.shape != (num_heads,):
+        raise ValueError(f"alibi slopes must be (heads,) = ({num_heads},), got {tuple(position_bias.tensor.shape)}")
 
 
 def _prepare(tensors, head_dim):
@@ -631,14 +666,11 @@ def _query_offset_arguments(query_offset, tensors) -> tuple[int, torch.Tensor | 
     return 0, query_offset.reshape(1)
 
 
-def _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias):
-    if position_encoding == "t5":
-        return relative_attention_bias
-    if position_encoding == "alibi":
-        return alibi_slopes.detach().float().contiguous()
-    if position_encoding == "bias":
-        return attn_bias
-    return None
+def _position_tensor(position_bias: PositionBias) -> torch.Tensor | None:
+    """The tensor the kernels read: ALiBi's slopes as fp32 constants (they receive no gradient)."""
+    if position_bias.kind == "alibi":
+        return position_bias.tensor.detach().float().contiguous()
+    return position_bias.tensor
 
 
 def flash_attention(
@@ -646,17 +678,11 @@ def flash_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
     scale: float = 1.0,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     query_offset: int | torch.Tensor = 0,
-    position_encoding: str = "none",
-    relative_attention_bias: torch.Tensor | None = None,
-    bidirectional: bool = True,
-    num_buckets: int = 32,
-    max_distance: int = 128,
-    alibi_slopes: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Triton attention over (batch, heads, length, head_dim) tensors; see ``attention.attention``.
@@ -665,29 +691,25 @@ def flash_attention(
     """
     batch, num_heads, query_length, head_dim = query.shape
     key_length = key.shape[2]
-    _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
-                            max_distance, alibi_slopes, dropout_p)
+    _check_triton_arguments(query, position_bias, num_heads, dropout_p)
     if key_padding_mask is not None:
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {key_padding_mask.dtype}")
         if key_padding_mask.stride(-1) != 1:
             key_padding_mask = key_padding_mask.contiguous()
-    if position_encoding == "bias":
+    if position_bias.kind == "bias":
         try:
-            torch.broadcast_shapes(attn_bias.shape, (batch, num_heads, query_length, key_length))
+            torch.broadcast_shapes(position_bias.tensor.shape, (batch, num_heads, query_length, key_length))
         except RuntimeError as error:
             raise ValueError(
-                f"attn_bias {tuple(attn_bias.shape)} does not broadcast to (batch, heads, query_length, key_length) "
-                f"= {(batch, num_heads, query_length, key_length)}"
+                f"the explicit bias {tuple(position_bias.tensor.shape)} does not broadcast to (batch, heads, "
+                f"query_length, key_length) = {(batch, num_heads, query_length, key_length)}"
             ) from error
-    position_tensor = _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias)
+    position_tensor = _position_tensor(position_bias)
     query_offset, query_offset_tensor = _query_offset_arguments(query_offset, (query, key, value, position_tensor))
+    options = _CallOptions.of(position_bias, query_length, key_length, scale, causal, query_offset)
     query, key, value = _prepare((query, key, value), head_dim)
-    out = _attention(
-        query, key, value, key_padding_mask, position_tensor,
-        None, None, query_length, key_length, float(scale), bool(causal), query_offset, position_encoding,
-        bool(bidirectional), int(num_buckets), int(max_distance), query_offset_tensor,
-    )
+    out = _attention(query, key, value, key_padding_mask, position_tensor, None, None, options, query_offset_tensor)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]
 
 
@@ -700,34 +722,26 @@ def flash_attention_varlen(
     max_seqlen_q: int,
     max_seqlen_k: int,
     *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
     scale: float = 1.0,
     causal: bool = False,
     query_offset: int | torch.Tensor = 0,
-    position_encoding: str = "none",
-    relative_attention_bias: torch.Tensor | None = None,
-    bidirectional: bool = True,
-    num_buckets: int = 32,
-    max_distance: int = 128,
-    alibi_slopes: torch.Tensor | None = None,
-    attn_bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Triton attention over packed (tokens, heads, head_dim) tensors; see ``attention.attention_varlen``."""
     _, num_heads, head_dim = query.shape
-    _check_triton_arguments(query, position_encoding, relative_attention_bias, num_heads, bidirectional, num_buckets,
-                            max_distance, alibi_slopes, dropout_p)
-    if position_encoding == "bias" and attn_bias.shape[-2:] != (max_seqlen_q, max_seqlen_k):
+    _check_triton_arguments(query, position_bias, num_heads, dropout_p)
+    if position_bias.kind == "bias" and position_bias.tensor.shape[-2:] != (max_seqlen_q, max_seqlen_k):
         raise ValueError(
-            f"attn_bias for varlen attention is (heads, max_seqlen_q, max_seqlen_k) = "
-            f"{(num_heads, max_seqlen_q, max_seqlen_k)}, got {tuple(attn_bias.shape)}"
+            f"an explicit bias for varlen attention is (heads, max_seqlen_q, max_seqlen_k) = "
+            f"{(num_heads, max_seqlen_q, max_seqlen_k)}, got {tuple(position_bias.tensor.shape)}"
         )
-    position_tensor = _position_tensor(position_encoding, relative_attention_bias, alibi_slopes, attn_bias)
+    position_tensor = _position_tensor(position_bias)
     query_offset, query_offset_tensor = _query_offset_arguments(query_offset, (query, key, value, position_tensor))
+    options = _CallOptions.of(position_bias, max_seqlen_q, max_seqlen_k, scale, causal, query_offset)
     query, key, value = _prepare((query, key, value), head_dim)
     out = _attention(
-        query, key, value, None, position_tensor,
-        cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k),
-        float(scale), bool(causal), query_offset, position_encoding, bool(bidirectional), int(num_buckets),
-        int(max_distance), query_offset_tensor,
+        query, key, value, None, position_tensor, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+        options, query_offset_tensor,
     )
     return out if out.shape[-1] == head_dim else out[..., :head_dim]

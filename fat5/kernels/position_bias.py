@@ -5,6 +5,8 @@ instead of reading an (L, L) bias, and these PyTorch versions are the truth they
 """
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -69,3 +71,61 @@ def alibi_position_bias(
     key_position = torch.arange(key_length, device=slopes.device)[None, :]
     distance = (key_position - query_position).abs().float()
     return -slopes.float()[:, None, None] * distance
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: its tensors have no single truth value
+class PositionBias:
+    """What attention adds to ``scale * q·k`` before the softmax, described rather than materialised.
+
+    Build one with a constructor: ``PositionBias.t5(table, bidirectional=..., max_distance=...)`` (T5's bucket table,
+    (num_buckets, heads), which receives a gradient), ``PositionBias.alibi(slopes)`` ((heads,) slopes, no gradient),
+    ``PositionBias.explicit(bias)`` (an additive tensor broadcastable to (batch, heads, query_length, key_length);
+    (heads, max_seqlen_q, max_seqlen_k) for varlen inputs; FAT5's FIRE evaluates its MLP into one) or
+    ``PositionBias.none()``. RoPE is no bias: it rotates q and k before the attention call.
+    """
+
+    kind: str = "none"
+    tensor: torch.Tensor | None = None
+    bidirectional: bool = True
+    num_buckets: int = 32
+    max_distance: int = 128
+
+    KINDS: ClassVar[tuple[str, ...]] = ("none", "t5", "alibi", "bias")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"PositionBias kind must be one of {self.KINDS}, got {self.kind!r}")
+        if (self.tensor is None) != (self.kind == "none"):
+            raise ValueError(f"a {self.kind!r} PositionBias needs a tensor" if self.tensor is None
+                             else "PositionBias.none() takes no tensor")
+
+    @classmethod
+    def none(cls) -> "PositionBias":
+        return cls()
+
+    @classmethod
+    def t5(cls, table: torch.Tensor, *, bidirectional: bool = True, max_distance: int = 128) -> "PositionBias":
+        """T5's relative position buckets; ``num_buckets`` is the table's first dimension."""
+        if table.dim() != 2:
+            raise ValueError(f"the T5 table must be (num_buckets, heads), got shape {tuple(table.shape)}")
+        return cls("t5", table, bool(bidirectional), int(table.shape[0]), int(max_distance))
+
+    @classmethod
+    def alibi(cls, slopes: torch.Tensor) -> "PositionBias":
+        return cls("alibi", slopes)
+
+    @classmethod
+    def explicit(cls, bias: torch.Tensor) -> "PositionBias":
+        return cls("bias", bias)
+
+    def materialise(self, query_length: int, key_length: int, query_offset=0) -> torch.Tensor | None:
+        """The additive bias as a tensor (None for ``none``): what the kernels compute in place."""
+        if self.kind == "t5":
+            return t5_position_bias(self.tensor, query_length, key_length, query_offset, self.bidirectional,
+                                    self.num_buckets, self.max_distance)
+        if self.kind == "alibi":
+            return alibi_position_bias(self.tensor, query_length, key_length, query_offset)
+        return self.tensor
+
+
+NO_POSITION_BIAS = PositionBias.none()
