@@ -20,7 +20,7 @@ caches; the timing itself runs in this process, one variant at a time.
 
     python benchmarks/attention.py --out benchmarks/results/attention.json
     python benchmarks/attention.py --sweep --out benchmarks/results/attention_sweep.json
-    python benchmarks/attention.py --breakdown --out benchmarks/results/attention_t5_breakdown.json
+    python benchmarks/attention.py --breakdown --out benchmarks/results/attention_breakdown.json
     python benchmarks/attention.py --plot-only benchmarks/results/attention.json
 """
 

@@ -432,8 +432,9 @@ def main(argv=None):
                         help="also train the eager fat5 model (and fat5-compiled, when measured) on rows packing this "
                              "many examples each (segment_ids, as `fat5 pretrain` does), reported as fat5-packed "
                              "(fat5-compiled-packed)")
-    parser.add_argument("--out", default="benchmarks/results/model.json")
+    parser.add_argument("--out", help="result file (default: benchmarks/results/model_SHAPE.json)")
     args = parser.parse_args(argv)
+    args.out = args.out or f"benchmarks/results/model_{args.shape}.json"
     batches = dict(DEFAULT_BATCHES)
     for pair in args.batches:
         length, _, batch = pair.partition(":")
