@@ -215,8 +215,8 @@ SHIPPED_CONFIGS = ("ddp", "fsdp", "deepspeed_zero2")
 # (one bf16 step is 2^-8 = 0.39% of a value): 5e-3 leaves room for a few such flips over the steps. FSDP (its bf16
 # MixedPrecisionPolicy: bf16 parameters, so a bf16 residual stream, and a bf16 reduce-scatter) and DeepSpeed's bf16
 # mode (bf16 weights, float32 master copy) round every activation and gradient once more than autocast does, a
-# relative 2^-9 each, averaged over the thousands of tokens of a loss: 3e-2. Either is far below what a wrong share
-# of the batches costs; the one-batch control run checks that on the spot.
+# relative 2^-9 each, averaged over the thousands of tokens of a loss: 3e-2. The one-batch control run, a wrong share
+# of the batches, must be at least three times as far off.
 BF16_TOLERANCE = {"ddp": 5e-3, "fsdp": 3e-2, "deepspeed_zero2": 3e-2}
 
 
@@ -278,8 +278,9 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
     deviation = largest_relative_difference(one, two)
     # one batch a step instead of two: what training on the wrong share of the data looks like
     wrong_share = largest_relative_difference(one, training_logs(job, control))
-    assert wrong_share > 2 * tolerance, f"the 1-GPU runs must tell the batches apart ({wrong_share:.2e})"
     assert deviation <= tolerance, f"{accelerate_config}: the loss is {deviation:.2e} off the 1-GPU run's"
+    # on the CPU (float32) the one-batch run is 4-5% off at its farthest step: bf16 noise must stay well inside that
+    assert deviation < wrong_share / 3, f"{accelerate_config}: {deviation:.2e} off, a wrong share {wrong_share:.2e}"
 
     saved = load_file(double / "model" / "model.safetensors")
     expected = load_file(reference / "model" / "model.safetensors")
@@ -401,3 +402,26 @@ def test_sharded_final_saves_are_refused_before_training(trainer_options, match)
     else:
         with pytest.raises(FAT5Error, match=match):
             require_full_state_dict(trainer)
+
+
+def test_benchmark_counts_the_flops_of_packed_examples_each_against_itself():
+    import importlib.util
+    from types import SimpleNamespace
+
+    specification = importlib.util.spec_from_file_location("distributed", REPO / "benchmarks" / "distributed.py")
+    distributed = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(distributed)
+    # row 0 packs examples of 3 and 2 encoder tokens (targets of 2 and 1), row 1 one of 4 (target of 3)
+    batch = {
+        "segment_ids": [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]],
+        "decoder_segment_ids": [[1, 1, 2, 0], [1, 1, 1, 0]],
+        "labels": [[5, 6, 7, -100], [5, 6, 7, -100]],
+    }
+    config = SimpleNamespace(num_heads=2, d_kv=4, num_layers=3, num_decoder_layers=2)
+    flops, tokens = distributed.batch_flops(batch, {"encoder": 10, "decoder": 20, "lm_head": 5}, config)
+    assert tokens == 9 + 6
+    dense = 6 * (10 * 9 + (20 + 5) * 6)  # 1440
+    # 4·H·D = 32 per layer and query-key pair: encoder 3 layers x (9 + 4 + 16); decoder 2 layers x (causal self
+    # L_d^2 / 2 + cross L_d·L_e) = (2 + 6) + (0.5 + 2) + (4.5 + 12); forward + backward 3.5 x forward
+    attention = 3.5 * (32 * 3 * 29 + 32 * 2 * 27)  # 15792
+    assert flops == dense + attention == 17232
