@@ -246,13 +246,13 @@ def one_gpu_runs(tmp_path_factory, tokenizer_dir, tiny_model):
 
 
 def evaluation_loss(model_dir: Path) -> float:
-    """The float32 loss of a saved model, loaded in this one process, on a fixed batch of the speeches."""
+    """The float32 loss of a saved model, loaded on the CPU of this one process, on a fixed batch of the speeches."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert isinstance(model, FAT5ForConditionalGeneration)
-    batch = tokenizer(DOCUMENTS[:8], max_length=48, truncation=True, padding=True, return_tensors="pt").to("cuda")
+    batch = tokenizer(DOCUMENTS[:8], max_length=48, truncation=True, padding=True, return_tensors="pt")
     labels = batch["input_ids"][:, :16].masked_fill(batch["attention_mask"][:, :16] == 0, -100)
     with torch.no_grad():
         return model(**batch, labels=labels).loss.item()
@@ -358,10 +358,15 @@ def test_shipped_accelerate_configs_load_and_save_plain_models(name, distributed
 
     config = load_config_from_file(str(REPO / "examples" / "accelerate" / f"{name}.yaml"))
     assert config.distributed_type == distributed_type
+    # what the README's "Several GPUs" says of them: the precision comes from the training section (bf16: true), as
+    # on one GPU, except under FSDP, whose bf16 policy casts the parameters it gathers
+    assert config.mixed_precision == ("bf16" if distributed_type == "FSDP" else "no")
     if distributed_type == "FSDP":
         block = getattr(modeling_fat5, config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"])
         assert issubclass(block, torch.nn.Module)
         assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_reshard_after_forward"] is True  # full shard
     if distributed_type == "DEEPSPEED":
         assert config.deepspeed_config["zero_stage"] == 2  # parameters unsharded: save_model writes them whole
         assert config.deepspeed_config["offload_optimizer_device"] == "none"
