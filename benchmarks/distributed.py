@@ -22,7 +22,7 @@ train on N times the batch of one. One tokenizer is trained first and shared by 
   `fsdp_reshard_after_forward: false`, one all-gather a block a step fewer), the better trade for a model whose
   parameters fit on every GPU.
 
-    python benchmarks/distributed.py --out benchmarks/results/distributed.json
+    python benchmarks/distributed.py                 # benchmarks/results/distributed_pretrain.json and .png
     python benchmarks/distributed.py --compare-fsdp --out benchmarks/results/distributed_fsdp.json
     python benchmarks/distributed.py --tiny     # CPU check of the whole path: tiny model, 2 processes over gloo
 
@@ -290,7 +290,7 @@ def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed.json"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
     parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, 2 processes (gloo)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of the multi-GPU runs")
     parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=["ddp", "fsdp"],
