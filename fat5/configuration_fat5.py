@@ -4,6 +4,7 @@ from transformers import PretrainedConfig
 
 POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
+INITIALIZATIONS = ("t5x", "transformers")
 
 
 class FAT5Config(PretrainedConfig):
@@ -69,6 +70,12 @@ class FAT5Config(PretrainedConfig):
         fire_mlp_width (`int`, defaults to 32): hidden width of FIRE's MLP.
         fire_init_c (`float`, defaults to 0.1): initial value of FIRE's learnable log-transform scale `c`.
         fire_init_threshold (`float`, defaults to 512.0): initial value of FIRE's learnable length threshold `L`.
+        initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
+            checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's
+            T5 v1.1 draw, in which an untied `lm_head` has std `d_model**-0.5`, so that pretraining starts from a
+            loss near ln(vocab_size). `"transformers"`: `T5ForConditionalGeneration`'s draw (an untied `lm_head`
+            with std 1.0: logits of std about sqrt(d_model) at the first step), for parity tests with it.
+            `FAT5PreTrainedModel._init_weights` lists every draw under both.
     """
 
     model_type = "fat5"
@@ -119,6 +126,7 @@ class FAT5Config(PretrainedConfig):
         fire_mlp_width: int = 32,
         fire_init_c: float = 0.1,
         fire_init_threshold: float = 512.0,
+        initialization: str = "t5x",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -152,6 +160,7 @@ class FAT5Config(PretrainedConfig):
         self.fire_mlp_width = fire_mlp_width
         self.fire_init_c = fire_init_c
         self.fire_init_threshold = fire_init_threshold
+        self.initialization = initialization
         # transformers passes `is_decoder` when it builds the decoder stack's copy of the config
         kwargs.setdefault("is_decoder", False)
         super().__init__(
@@ -204,6 +213,11 @@ class FAT5Config(PretrainedConfig):
             )
         if self.position_encoding not in POSITION_ENCODINGS:
             raise ValueError(f"FAT5Config.position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}")
+        if self.initialization not in INITIALIZATIONS:
+            raise ValueError(
+                f"FAT5Config.initialization must be one of {INITIALIZATIONS} (T5X's draw, or transformers' T5 draw for "
+                f"parity tests), got {self.initialization!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"FAT5Config.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.position_encoding == "t5":

@@ -702,6 +702,27 @@ def _check_supported_arguments(config: FAT5Config, kwargs: dict) -> None:
         )
 
 
+# JAX's truncated normal, cut at two standard deviations, has a standard deviation of this many: T5X divides the scale
+# of its draw by it, so that the drawn values keep the standard deviation asked for
+_TRUNCATED_NORMAL_STD = 0.87962566103423978
+
+
+def _draw(weight: torch.Tensor, distribution: str, std: float) -> None:
+    """Draw ``weight`` in place (through transformers' ``init``: a loaded weight is left alone) from a centred
+    distribution whose values have standard deviation ``std``: "normal", "truncated_normal" (JAX's, as T5X's) or
+    "uniform"."""
+    if distribution == "normal":
+        init.normal_(weight, mean=0.0, std=std)
+    elif distribution == "truncated_normal":
+        scale = std / _TRUNCATED_NORMAL_STD
+        init.trunc_normal_(weight, mean=0.0, std=scale, a=-2 * scale, b=2 * scale)
+    elif distribution == "uniform":
+        bound = std * 3**0.5
+        init.uniform_(weight, -bound, bound)
+    else:
+        raise ValueError(f"unknown init distribution {distribution!r}")
+
+
 class FAT5PreTrainedModel(PreTrainedModel):
     config_class = FAT5Config
     config: FAT5Config
@@ -746,59 +767,120 @@ class FAT5PreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """T5's initialisation (through transformers' `init`, which leaves weights loaded from a checkpoint alone).
-        Each Linear and Embedding draws its own weight, once, with the spread of its place in the model
-        (``_draw_of``), so that a direct call on one (transformers' ``resize_token_embeddings`` builds the new head
-        outside the model and calls this on it) and a whole-model pass agree."""
+        """The draw of a fresh model, T5X's (``config.initialization="t5x"``, the default) or transformers' T5's
+        (``"transformers"``). It writes through transformers' ``init``, which leaves a weight loaded from a checkpoint
+        alone: loading and conversion never draw a loaded weight, whatever the setting. Each Linear and Embedding
+        draws its own weight, once, with the init spread of its place in the model (``_init_spread_of``), so that a
+        direct call on one (transformers' ``resize_token_embeddings`` builds the new head outside the model and calls
+        this on it) and a whole-model pass agree.
+
+        The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
+        ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
+        ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
+        ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
+
+        ======================== ================================================= ============================
+        weight                   T5X (``"t5x"``)                                   transformers' T5
+        ======================== ================================================= ============================
+        shared (token embedding) normal, 1 (``Embed``, ``normal(stddev=1.0)``)     normal, 1
+        q                        normal, (d_model * d_kv)**-0.5                    the same
+        k, v                     normal, d_model**-0.5                             the same
+        o                        normal, (num_heads * d_kv)**-0.5                  the same
+        wi, wi_0, wi_1           truncated normal, d_model**-0.5                   normal, d_model**-0.5
+        wo                       truncated normal, d_ff**-0.5                      normal, d_ff**-0.5
+        relative_attention_bias  uniform, (2 / (num_buckets + num_heads))**0.5     normal, d_model**-0.5
+        untied lm_head           truncated normal, d_model**-0.5                   normal, 1
+        tied lm_head             the embedding's; logits / sqrt(d_model)           the same
+        RMS norm weights         1                                                 1
+        ======================== ================================================= ============================
+
+        - q, k, v, o: ``MultiHeadDotProductAttention``'s ``variance_scaling(1.0, 'fan_in', 'normal')``, fan-in d_model
+          (o: num_heads * d_kv). T5 does not scale q·k by 1/sqrt(d_kv): T5X folds it into q's draw (``query_init =
+          kernel_init / sqrt(head_dim)``), hence (d_model * d_kv)**-0.5, which transformers draws too.
+        - wi, wo and the untied head (``logits_dense``): ``DenseGeneral`` and ``MlpBlock``'s ``variance_scaling(1.0,
+          'fan_in', 'truncated_normal')``, JAX's truncated normal: cut at two standard deviations of a normal whose
+          standard deviation is divided by 0.8796 first, so that the drawn values keep d_model**-0.5 (d_ff**-0.5).
+          transformers draws the same spreads untruncated, except its untied head: std 1 (``initializer_factor``),
+          logits of std about sqrt(d_model) that the first hundreds of steps spend shrinking; T5X's fan-in head starts
+          the loss near ln(vocab_size). This is the difference that matters.
+        - relative_attention_bias: ``Encoder`` and ``Decoder`` give ``relpos_bias`` ``variance_scaling(1.0,
+          'fan_avg', 'uniform')`` over its (num_heads, num_buckets) table: Glorot's uniform, bound (6 / (num_buckets +
+          num_heads))**0.5, about 0.39 for T5's 32 buckets and 8 heads where transformers' std is 0.044 (d_model 512).
+        - Tied head: T5X's ``logits_via_embedding`` divides the logits by sqrt(d_model); FAT5 scales the decoder
+          output by d_model**-0.5 (``scale_decoder_outputs``, on by default when tied), as transformers does. A tied
+          head without that scaling starts with logits of std about sqrt(d_model) under either draw: the embedding is
+          also the input, so no draw can fix it.
+        - Heads that T5X lacks. ``"t5x"`` gives them ``DenseGeneral``'s fan-in draw: truncated normal, d_model**-0.5
+          for the sequence classification head's dense and out_proj, the token classifier and qa_outputs.
+          ``"transformers"`` gives transformers' T5 draws: normal, d_model**-0.5 for all but the token classifier
+          (std 1). Biases are zero under both.
+        - FIRE (neither reference has it): its MLP is drawn by Glorot's uniform (biases zero), ``c`` and ``threshold``
+          start at ``fire_init_c`` and ``fire_init_threshold``, under both. ALiBi's slopes are fixed and RoPE has no
+          parameter: nothing to draw.
+        - ``initializer_factor`` multiplies every standard deviation above (and the norms' 1), FIRE's MLP aside; at
+          1.0, its default, the draws are the references'.
+        """
         if isinstance(module, FAT5LayerNorm):
             init.constant_(module.weight, self.config.initializer_factor)
         elif isinstance(module, (nn.Embedding, nn.Linear)):
-            draw = self._draw_of(module)
-            if draw == "xavier":
-                init.xavier_uniform_(module.weight)
-            elif draw is not None:
-                init.normal_(module.weight, mean=0.0, std=draw)
+            spread = self._init_spread_of(module)
+            if spread is not None:
+                _draw(module.weight, *spread)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, FAT5FIRE):
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
 
-    def _draw_of(self, module: nn.Module) -> float | str | None:
-        """T5's standard deviation for a Linear or Embedding weight of this model ("xavier" for FIRE's MLP, None for
-        an lm_head tied to the embeddings, drawn as them); T5's default, ``initializer_factor``, for the token
-        embeddings and for a module that is not (yet) part of the model."""
+    def _init_spread_of(self, module: nn.Module) -> tuple[str, float] | None:
+        """The init spread of a Linear's or Embedding's weight, by its place in this model and
+        ``config.initialization`` (the table in ``_init_weights``): ``(distribution, std)``, the distribution
+        ("normal", "truncated_normal" or "uniform") and the standard deviation of the drawn values. None for an
+        lm_head tied to the embeddings, drawn as them. A module that is not (yet) part of the model, such as the head
+        ``resize_token_embeddings`` builds, is drawn as its kind is by default: an Embedding as the token embeddings,
+        a Linear by T5X's fan-in rule (``"t5x"``; d_model**-0.5 for that head) or with std 1 (``"transformers"``)."""
         config = self.config
-        factor, d_model, d_kv, n_heads = config.initializer_factor, config.d_model, config.d_kv, config.num_heads
+        d_model = config.d_model
+        t5x = config.initialization == "t5x"
+        # T5X's DenseGeneral and MlpBlock draw a truncated normal where transformers' T5 draws a normal
+        dense = "truncated_normal" if t5x else "normal"
         for holder in self.modules():
+            if isinstance(holder, FAT5FIRE) and any(module is layer for layer in holder.mlp):
+                return "uniform", (2 / (module.in_features + module.out_features)) ** 0.5  # Glorot's
+            name = next((name for name, child in holder.named_children() if child is module), None)
+            if name is None:
+                continue
+            spread = None
             if isinstance(holder, FAT5Attention):
-                stds = {holder.q: (d_model * d_kv) ** -0.5, holder.k: d_model**-0.5, holder.v: d_model**-0.5,
-                        holder.o: (n_heads * d_kv) ** -0.5}
-                if hasattr(holder, "relative_attention_bias"):
-                    stds[holder.relative_attention_bias] = d_model**-0.5
+                bias_table = (
+                    ("uniform", (2 / (config.relative_attention_num_buckets + config.num_heads)) ** 0.5)
+                    if t5x
+                    else ("normal", d_model**-0.5)
+                )
+                spread = {
+                    "q": ("normal", (d_model * config.d_kv) ** -0.5),
+                    "k": ("normal", d_model**-0.5),
+                    "v": ("normal", d_model**-0.5),
+                    "o": ("normal", (config.num_heads * config.d_kv) ** -0.5),
+                    "relative_attention_bias": bias_table,
+                }.get(name)
             elif isinstance(holder, (FAT5DenseActDense, FAT5DenseGatedActDense)):
-                inputs = [getattr(holder, name) for name in ("wi", "wi_0", "wi_1") if hasattr(holder, name)]
-                stds = dict.fromkeys(inputs, d_model**-0.5)
-                stds[holder.wo] = config.d_ff**-0.5
-            elif isinstance(holder, FAT5ClassificationHead):
-                stds = {holder.dense: d_model**-0.5, holder.out_proj: d_model**-0.5}
-            elif isinstance(holder, FAT5FIRE):
-                if any(module is layer for layer in holder.mlp):
-                    return "xavier"
-                continue
-            elif isinstance(holder, (FAT5ForTokenClassification, FAT5ForQuestionAnswering)):
-                head = getattr(holder, "classifier", None) or holder.qa_outputs
-                stds = {head: d_model**-0.5}
-            elif isinstance(holder, FAT5ForConditionalGeneration):
-                if module is holder.lm_head and config.tie_word_embeddings:
+                spread = dense, (config.d_ff if name == "wo" else d_model) ** -0.5
+            elif isinstance(holder, FAT5ClassificationHead) or (
+                isinstance(holder, FAT5ForQuestionAnswering) and name == "qa_outputs"
+            ):
+                spread = dense, d_model**-0.5
+            elif isinstance(holder, FAT5ForTokenClassification) and name == "classifier":
+                spread = (dense, d_model**-0.5) if t5x else ("normal", 1.0)
+            elif isinstance(holder, FAT5ForConditionalGeneration) and name == "lm_head":
+                if config.tie_word_embeddings:
                     return None
-                continue
-            else:
-                continue
-            std = stds.get(module)
-            if std is not None:
-                return factor * std
-        return factor
+                spread = (dense, d_model**-0.5) if t5x else ("normal", 1.0)
+            if spread is not None:
+                return spread[0], config.initializer_factor * spread[1]
+        if isinstance(module, nn.Linear) and t5x:
+            return dense, config.initializer_factor * module.in_features**-0.5
+        return "normal", config.initializer_factor * 1.0
 
     def _initialize_weights(self, module, *args, **kwargs):
         # transformers takes a module of custom code that owns no parameter itself as already initialised, so a head

@@ -441,7 +441,7 @@ def test_fresh_model_draws_t5s_initialisation_once_per_weight(monkeypatch):
         return normal(tensor, *args, **kwargs)
 
     monkeypatch.setattr(initialization, "normal_", counting_normal)
-    model = FAT5ForConditionalGeneration(FAT5Config(**config))
+    model = FAT5ForConditionalGeneration(FAT5Config(**config, initialization="transformers"))
     monkeypatch.undo()
     assert draws and max(draws.values()) == 1
     hf_parameters = dict(hf.named_parameters())
@@ -458,7 +458,7 @@ def test_initialising_one_module_draws_it_as_its_place_in_the_model_asks():
     """`_init_weights` on one Linear (what resize_token_embeddings does with the head it builds) and `init_weights`
     after a head is replaced draw T5's spread for that module, as a whole fresh model does."""
     config = FAT5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4,
-                        tie_word_embeddings=False, decoder_start_token_id=0)
+                        tie_word_embeddings=False, decoder_start_token_id=0, initialization="transformers")
     model = FAT5ForConditionalGeneration(config)
     for module, std in ((model.lm_head, 1.0), (model.encoder.block[0].layer[0].SelfAttention.q, (64 * 16) ** -0.5),
                         (model.decoder.block[1].layer[-1].DenseReluDense.wo, 256**-0.5)):

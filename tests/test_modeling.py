@@ -45,6 +45,7 @@ def fat5_from_hf(hf_model, family):
         scale_decoder_outputs=getattr(hf_config, "scale_decoder_outputs", hf_config.tie_word_embeddings),
         position_bias_per_layer=family == "umt5",
         attention_backend="reference",
+        initialization="transformers",
     )
     model = FAT5ForConditionalGeneration(config).eval()
     missing, unexpected = model.load_state_dict(hf_model.state_dict(), strict=False)

@@ -278,6 +278,9 @@ def fat5_config_from_t5(raw: dict, tie_word_embeddings: bool, scale_decoder_outp
             position_encoding="t5",
             position_bias_per_layer=model_type == "umt5",
             attention_scale=1.0,
+            # how these checkpoints were first drawn (Mesh TensorFlow's and T5X's T5), and how the heads a finetuning
+            # adds (task heads, resized vocabularies) are drawn; the converted weights themselves are never drawn
+            initialization="t5x",
         )
     except ValueError as error:
         raise ConversionError(f"config.json cannot be represented as a FAT5Config: {error}") from None
