@@ -19,6 +19,7 @@ from test_conversion import TINY, make_checkpoint, padded_batch
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
 from fat5.conversion import convert
+from fat5.errors import FAT5Error
 from fat5.hub_upload import BundleError, add_hub_commands, bundle, flatten_remote_code
 
 bundle_module = sys.modules["fat5.hub_upload.bundle"]
@@ -296,6 +297,25 @@ def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypa
     with pytest.raises(BundleError, match="deliberately broken remote code"):
         bundle(converted_dir, tmp_path / "out")
     assert _leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("layout", ["parent", "same"])
+def test_bundle_overwrite_never_replaces_a_folder_that_holds_the_input(converted_dir, tmp_path, layout):
+    """`fat5 bundle MODEL OUT --overwrite` with OUT holding MODEL (or being it) is refused; MODEL and its siblings
+    survive."""
+    import shutil
+
+    from fat5.cli import main
+
+    models = tmp_path / "models"
+    model = Path(shutil.copytree(converted_dir, models / "fat5"))
+    (models / "notes.txt").write_text("a sibling of the model")
+    out = models if layout == "parent" else model
+    before = {path: path.read_bytes() for path in models.rglob("*") if path.is_file()}
+    with pytest.raises(FAT5Error, match="holds the input"):
+        bundle(model, out, overwrite=True, validate=False)
+    assert main(["bundle", str(model), str(out), "--overwrite", "--no-validate"]) == 2
+    assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
 
 
 # --------------------------------------------------------------------------------------------- flattening

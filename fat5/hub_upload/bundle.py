@@ -413,7 +413,8 @@ def bundle(
     cannot import fat5 or triton and must reproduce the in-package model's outputs; `out` appears (atomically) only
     after that.
     """
-    from fat5.conversion.checkpoint import atomic_directory, copy_side_files
+    from fat5.conversion.checkpoint import copy_side_files
+    from fat5.output_folder import atomic_directory
 
     from .model_card import build_model_card
 
@@ -421,7 +422,7 @@ def bundle(
     if not model_dir.is_dir():
         raise BundleError(f"{model_dir}: no such folder")
     code = flatten_remote_code()
-    with atomic_directory(out, overwrite=overwrite) as folder:
+    with atomic_directory(out, overwrite=overwrite, inputs=[model_dir]) as folder:
         architecture, _ = _weights_and_config(model_dir, folder, max_shard_size)
         auto_map = auto_map_for(architecture, code["modeling_fat5.py"])
         config_path = folder / "config.json"
