@@ -98,13 +98,14 @@ def disk_full_error(folder, what: str) -> FAT5Error:
 
 
 @contextlib.contextmanager
-def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = ()) -> Iterator[Path]:
+def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = (), inside_inputs_ok: bool = False
+                     ) -> Iterator[Path]:
     """Yield a temporary folder beside ``out`` that becomes ``out`` only if the block completes.
 
     On any exception the temporary folder is removed and ``out`` is left as it was (absent, or untouched when it
     existed); a full disk becomes one FAT5Error line. ``out`` is checked first by `check_output_folder`.
     """
-    out = check_output_folder(out, overwrite=overwrite, inputs=inputs)
+    out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=inside_inputs_ok)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -134,12 +135,54 @@ def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = ()) -> 
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def replace_folder(temporary: Path, out: Path) -> None:
-    """Move the finished ``temporary`` folder to ``out``, replacing an older ``out`` (renames only, same disk)."""
-    if out.exists():
-        previous = _sibling(out, "old")
-        out.rename(previous)
-        os.replace(temporary, out)
-        shutil.rmtree(previous, ignore_errors=True)
-    else:
-        os.replace(temporary, out)
+# what makes a folder hold a model (or a PEFT adapter) that a training job would overwrite
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "adapter_config.json")
+
+
+def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, inputs: Iterable = (),
+                       main_process: bool = True) -> Path:
+    """Check the output folder of a training job (`fat5 pretrain`, `fat5 finetune`) and return it absolute.
+
+    The job writes its final model at the folder's top and its checkpoints in ``checkpoint-*`` beside it. Without
+    ``overwrite`` or ``resume``, a folder that holds checkpoints or a model is refused, naming the flag that
+    continues or replaces it; with ``overwrite`` its content is removed (by the main process) before anything runs.
+    """
+    from .trainer.trainer import newest_complete_checkpoint
+
+    if overwrite and resume:
+        raise FAT5Error("--overwrite starts the run over and --resume continues it: pass one of them")
+    out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=True, non_empty_ok=True)
+    if overwrite:
+        if main_process and out.is_dir() and any(out.iterdir()):
+            print(f"--overwrite: removing the content of {out}", flush=True)
+            clear_folder(out)
+        return out
+    if resume or not out.is_dir():
+        return out
+    if any(path.is_dir() for path in out.glob("checkpoint-*")):
+        newest, _ = newest_complete_checkpoint(out)
+        continues = f"continue from {newest.name}" if newest else "continue (no complete checkpoint: it starts over)"
+        raise FAT5Error(f"{out} holds the checkpoints of an earlier run: pass --resume to {continues}, or --overwrite "
+                        "to start over")
+    if any((out / name).is_file() for name in MODEL_FILES):
+        raise FAT5Error(f"{out} already holds a model: pass --overwrite to replace it, or choose another output folder")
+    return out
+
+
+def move_into(temporary: Path, out: Path) -> None:
+    """Move the files of the finished folder ``temporary`` to the top of ``out`` (same disk), replacing a model
+    already there: its files go first and config.json comes last, so a kill between leaves a folder without
+    config.json (no model, and the checkpoints still there), never one with a config and the wrong weights."""
+    for name in MODEL_FILES:
+        if (out / name).is_file():
+            (out / name).unlink()
+    for path in out.glob("model-*.safetensors"):
+        path.unlink()
+    names = sorted((path.name for path in temporary.iterdir()), key=lambda name: name == "config.json")
+    for name in names:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(temporary / name, target)
+    temporary.rmdir()
