@@ -290,6 +290,35 @@ def test_bundle_of_corrupted_weights_is_one_clear_line(converted_dir, tmp_path, 
     assert _leftovers(tmp_path / "out") == []
 
 
+class _OpensAFile:
+    """Unpickled, it would create `path`: what an unsafe pickle could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_bundle_of_an_unsafe_pickle_is_one_clear_line_and_never_runs_it(converted_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from fat5.cli import main
+
+    unsafe = tmp_path / "unsafe"
+    unsafe.mkdir()
+    for path in converted_dir.iterdir():
+        if path.name != "model.safetensors":
+            (unsafe / path.name).write_bytes(path.read_bytes())
+    marker = tmp_path / "the pickle ran"
+    tensors = load_file(converted_dir / "model.safetensors")
+    torch.save({**tensors, "payload": _OpensAFile(marker)}, unsafe / "pytorch_model.bin")
+    assert main(["bundle", str(unsafe), str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("fat5 bundle: error: ") and "pytorch_model.bin" in line and "refus" in line
+    assert not marker.exists() and _leftovers(tmp_path / "out") == []
+
+
 def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypatch):
     flat = flatten_remote_code()
     flat["modeling_fat5.py"] += "\nraise RuntimeError('deliberately broken remote code')\n"
