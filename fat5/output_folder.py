@@ -29,9 +29,10 @@ def check_output_folder(out, *, overwrite: bool = False, inputs: Iterable = (), 
                         non_empty_ok: bool = False) -> Path:
     """Raise FAT5Error unless ``out`` may become (or be replaced as) an output folder; return it absolute.
 
-    ``out`` must not be a file, nor hold any of ``inputs`` (paths the job reads; nor lie inside one, unless
-    ``inside_inputs_ok``) or the current directory, nor be the home folder or the file system's root; a non-empty
-    ``out`` needs ``overwrite`` (or ``non_empty_ok``, for a job that decides itself what it may add to a folder).
+    ``out`` must not be a file, nor lie inside any of ``inputs`` (the paths the job reads), unless
+    ``inside_inputs_ok``; a non-empty ``out`` needs ``overwrite`` (or ``non_empty_ok``, for a job that decides itself
+    what it may add to a folder), and with ``overwrite`` it must not hold an input or the current directory, nor be
+    the home folder or the file system's root.
     """
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
@@ -41,11 +42,11 @@ def check_output_folder(out, *, overwrite: bool = False, inputs: Iterable = (), 
         if given is None:
             continue
         source = Path(given).expanduser().resolve()
-        if _holds(real, source):
+        if overwrite and _holds(real, source):
             raise FAT5Error(f"the output folder {out} holds the input {source}: choose a folder beside it")
         if _holds(source, real) and not inside_inputs_ok:
             raise FAT5Error(f"the output folder {out} lies inside the input {source}: choose a folder outside it")
-    if real == Path(real.anchor) or real == Path.home().resolve():
+    if overwrite and (real == Path(real.anchor) or real == Path.home().resolve()):
         raise FAT5Error(f"{out} is {'the root folder' if real == Path(real.anchor) else 'the home folder'}: "
                         "write to a folder of its own")
     if overwrite and _holds(real, Path.cwd().resolve()) and out.is_dir() and any(out.iterdir()):

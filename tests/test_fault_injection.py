@@ -57,15 +57,23 @@ def _check_after_kill(run_dir: Path, before: set[str], new: str) -> dict:
 
 def _drive(run_dir: Path, keep: Path) -> None:
     """Run the job with killed copies at every checkpoint write (see the module doc); writes keep/report.json."""
+    import tqdm
+
     from fat5.trainer import trainer as trainer_module
     from fat5.trainer.pretrain import pretrain
 
+    # tqdm's monitor thread takes tqdm's lock now and then: a copy forked at that moment would wait on it forever
+    tqdm.tqdm.monitor_interval = 0
     write = trainer_module.FAT5Trainer._save_checkpoint
     report = {"kills": [], "duration": None}
 
     def write_in_a_copy(trainer, model, trial, kill_after=None) -> float:
         pid = os.fork()
         if pid == 0:
+            import faulthandler
+
+            # a copy that hangs says where, then ends
+            faulthandler.dump_traceback_later(60, exit=True)
             try:
                 write(trainer, model, trial)
             finally:
@@ -110,9 +118,12 @@ def _resume(config: Path, run_dir: Path) -> subprocess.CompletedProcess:
 def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
+    import fat5  # noqa: F401  (registers FAT5 with the Auto classes)
+
     run_dir, keep = tmp_path / "run", tmp_path / "kept"
     keep.mkdir()
-    environment = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    environment = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                   "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     driven = subprocess.run([sys.executable, __file__, str(run_dir), str(keep)], capture_output=True, text=True,
                             timeout=900, env=environment, check=False)
     assert driven.returncode == 0, driven.stderr[-4000:]

@@ -751,7 +751,7 @@ def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
     config, trainer = setup.config, setup.trainer
     output_dir = Path(config["output_dir"])
     require_full_state_dict(trainer)
-    checkpoint = find_resume_checkpoint(output_dir) if resume else None
+    checkpoint = find_resume_checkpoint(output_dir, announce=trainer.is_world_process_zero()) if resume else None
     train_result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     eval_metrics = trainer.evaluate() if setup.eval_dataset is not None else None
 

@@ -229,7 +229,7 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
                                     inputs=[path for path in inputs if path and Path(path).exists()],
                                     main_process=state.is_main_process)
     state.wait_for_everyone()
-    checkpoint = find_resume_checkpoint(output_dir) if resume else None
+    checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
     seed, data = int(settings.get("seed", 0)), settings["data"]
     set_seed(seed)

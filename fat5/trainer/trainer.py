@@ -224,10 +224,12 @@ def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def find_resume_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete checkpoint of ``output_dir``, saying which and why newer ones are skipped; None (a run
-    that starts over) when there is none."""
+def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | None:
+    """The newest complete checkpoint of ``output_dir``, saying (with ``announce``: the main process) which and why
+    newer ones are skipped; None (a run that starts over) when there is none."""
     checkpoint, skipped = newest_complete_checkpoint(output_dir)
+    if not announce:
+        return checkpoint
     for reason in skipped:
         print(f"--resume: skipping the incomplete {reason}", flush=True)
     if checkpoint is None:
