@@ -15,11 +15,11 @@ TINY = {"vocab_size": 64, "d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 1,
         "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16}
 
 
-@pytest.mark.parametrize("name", ["pad_token_id", "eos_token_id", "decoder_start_token_id"])
-@pytest.mark.parametrize("value", [64, 1000, -1, [1, 64]])
+@pytest.mark.parametrize("name, value", [
+    *((name, value) for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id") for value in (64, 1000, -1)),
+    ("eos_token_id", [1, 64]),
+])
 def test_a_token_id_outside_the_vocabulary_is_refused(name, value):
-    if isinstance(value, list) and name != "eos_token_id":
-        pytest.skip("only eos_token_id takes a list")
     with pytest.raises(ValueError, match=rf"FAT5Config.{name} must be a token id in \[0, vocab_size = 64\)"):
         FAT5Config(**TINY, **{name: value})
     assert FAT5Config(**TINY, **{name: [1, 63] if isinstance(value, list) else 63})
