@@ -665,6 +665,28 @@ def test_finetune_command(tiny_model, tmp_path, capsys):
         args.func(args)
 
 
+def test_ctrl_c_says_how_to_resume(tiny_model, tmp_path, monkeypatch, capsys):
+    from fat5.cli import main
+    from fat5.trainer import finetune as finetune_module
+
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    path = write(tmp_path / "config.yaml", json.dumps(seq2seq_config(tiny_model, run, validation=False)))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune_module, "finetune", interrupted)
+    assert main(["finetune", str(path)]) == 130
+    # checkpoint-3 is incomplete (empty): nothing to resume from yet
+    assert f"no checkpoint was written yet; `fat5 finetune {path} --overwrite` starts over" in capsys.readouterr().err
+    shutil.copytree(tiny_model, run / "checkpoint-2")
+    (run / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    assert main(["finetune", str(path), "--set", "training.max_steps=9"]) == 130
+    assert (f"`fat5 finetune {path} --set training.max_steps=9 --resume` continues from {run / 'checkpoint-2'}"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(
     "script, arguments",
     [
