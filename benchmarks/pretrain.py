@@ -110,9 +110,8 @@ def step_statistics(settings: dict, output_dir: Path, steps: int):
     from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
     from fat5.trainer.trainer import count_tokens
 
-    model_dir = output_dir / "model"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     seed, data = int(settings["seed"]), settings["data"]
     train_texts, _ = load_corpus(data, seed)
     train = tokenize_dataset(train_texts, tokenizer, text_column="text", num_proc=data.get("num_proc"))

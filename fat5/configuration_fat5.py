@@ -203,6 +203,15 @@ class FAT5Config(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"FAT5Config.{name} must be a positive integer, got {value!r}")
+        # an id past the embedding would fail only in the forward, as an IndexError from deep inside it
+        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+            ids = getattr(self, name, None)
+            for token_id in ids if isinstance(ids, (list, tuple)) else [ids]:
+                if token_id is not None and (not isinstance(token_id, int) or isinstance(token_id, bool)
+                                             or not 0 <= token_id < self.vocab_size):
+                    raise ValueError(
+                        f"FAT5Config.{name} must be a token id in [0, vocab_size = {self.vocab_size}), got {ids!r}"
+                    )
         if not isinstance(self.num_decoder_layers, int) or self.num_decoder_layers < 0:
             raise ValueError(f"FAT5Config.num_decoder_layers must be a non-negative integer, got {self.num_decoder_layers!r}")
         parts = self.feed_forward_proj.split("-") if isinstance(self.feed_forward_proj, str) else []

@@ -723,6 +723,32 @@ def _draw(weight: torch.Tensor, distribution: str, std: float) -> None:
         raise ValueError(f"unknown init distribution {distribution!r}")
 
 
+def _unreadable_safetensors(model_name_or_path, kwargs) -> str:
+    """The weights file of a local folder (or the Hub cache) whose safetensors header does not read, or the
+    folder's name when none is found."""
+    import os
+
+    from safetensors import SafetensorError, safe_open
+
+    folder = str(model_name_or_path)
+    if not os.path.isdir(folder):
+        from huggingface_hub import try_to_load_from_cache
+
+        subfolder = kwargs.get("subfolder") or ""
+        cached = try_to_load_from_cache(folder, os.path.join(subfolder, "model.safetensors"),
+                                        cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+        folder = os.path.dirname(cached) if isinstance(cached, str) else folder
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                try:
+                    with safe_open(os.path.join(folder, name), framework="pt"):
+                        pass
+                except (SafetensorError, OSError):
+                    return os.path.join(folder, name)
+    return f"a weights file of {model_name_or_path}"
+
+
 class FAT5PreTrainedModel(PreTrainedModel):
     config_class = FAT5Config
     config: FAT5Config
@@ -738,6 +764,20 @@ class FAT5PreTrainedModel(PreTrainedModel):
         "decoder.embed_tokens.weight": "shared.weight",
         "lm_head.weight": "shared.weight",
     }
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``; a weights file that is not readable safetensors (truncated, empty,
+        random) is named in the error, which safetensors' own does not do."""
+        from safetensors import SafetensorError
+
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as error:
+            raise OSError(
+                f"{_unreadable_safetensors(pretrained_model_name_or_path, kwargs)} is not a readable safetensors file "
+                f"(truncated or corrupted?): {error}"
+            ) from error
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """FAT5's attention is its own kernels (``config.attention_backend``), never one of transformers' attention
@@ -1097,6 +1137,11 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and inputs is not None and labels.shape[0] != inputs.shape[0]:
+            # shifted into decoder inputs, they would meet the encoder's rows in a puzzling mask error
+            raise ValueError(f"labels has {labels.shape[0]} rows but the inputs have {inputs.shape[0]}: give one row "
+                             "of labels per input row")
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             if decoder_segment_ids is not None:
                 raise ValueError("packed rows need decoder_input_ids shifted per segment; the model cannot shift them")

@@ -378,6 +378,54 @@ def test_existing_output_is_kept_unless_overwrite(converted, tmp_path):
     assert leftovers(out) == ["out"]
 
 
+def _copy_tree(source: Path, destination: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(source, destination))
+
+
+@pytest.mark.parametrize("layout", ["parent", "grandparent", "same", "inside"])
+def test_overwrite_never_replaces_a_folder_that_holds_the_input(converted, tmp_path, layout, monkeypatch):
+    """`--overwrite` replaces the output folder's own content only: an OUT that holds SRC (or is SRC, or lies inside
+    it) is refused, and SRC and the files beside it survive."""
+    from fat5.cli import main
+
+    models = tmp_path / "models"
+    source = _copy_tree(converted["t5"][0], models / "zoo" / "t5")
+    (models / "notes.txt").write_text("a sibling of the source")
+    (models / "zoo" / "other.bin").write_bytes(b"another model")
+    out = {"parent": models / "zoo", "grandparent": models, "same": source, "inside": source / "fat5"}[layout]
+    before = {path: path.read_bytes() for path in models.rglob("*") if path.is_file()}
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FAT5Error, match="holds the input|lies inside the input"):
+        convert(source, out, overwrite=True, verify=False)
+    assert main(["convert", str(source), str(out), "--overwrite", "--no-verify"]) == 2
+    assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
+
+
+def test_overwrite_refuses_the_current_directory_and_the_home_folder(converted, tmp_path, monkeypatch):
+    source, _, _ = converted["t5"]
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(work / "sub")
+    with pytest.raises(FAT5Error, match="holds the current directory"):
+        convert(source, work, overwrite=True, verify=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(work))
+    with pytest.raises(FAT5Error, match="home folder"):
+        convert(source, work, overwrite=True, verify=False)
+    assert (work / "sub" / "precious.txt").read_text() == "keep me"
+
+
+def test_export_overwrite_never_replaces_a_folder_that_holds_the_input(converted, tmp_path):
+    fat5_dir = _copy_tree(converted["t5"][1], tmp_path / "runs" / "fat5")
+    (tmp_path / "runs" / "log.txt").write_text("a sibling")
+    with pytest.raises(FAT5Error, match="holds the input"):
+        export_hf(fat5_dir, tmp_path / "runs", overwrite=True, verify=False)
+    assert (tmp_path / "runs" / "log.txt").is_file() and (fat5_dir / "model.safetensors").is_file()
+
+
 def test_an_existing_output_fails_before_anything_is_read(converted, tmp_path, monkeypatch):
     """OUT is checked first, not after a Hub download or a conversion (a bundle is converted in a staging folder)."""
     import sys

@@ -171,14 +171,14 @@ def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir
         # packed batches differ in size: the job's padding share needs both ranks' tokens and slots
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(double / "model")
+    model = AutoModelForSeq2SeqLM.from_pretrained(double)
     assert isinstance(model, FAT5ForConditionalGeneration)
-    weights_one = load_file(single / "model" / "model.safetensors")
-    weights_two = load_file(double / "model" / "model.safetensors")
+    weights_one = load_file(single / "model.safetensors")
+    weights_two = load_file(double / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
     for name, value in weights_one.items():
         torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    assert not (double / "model.tmp").exists()
+    assert not (double / ".final-model.tmp").exists()
 
 
 def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model, tmp_path):

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 from conftest import DATA, REPO, ROWS
 from safetensors.torch import load_file
-from transformers import AutoModelForSeq2SeqLM, EvalPrediction
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EvalPrediction
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 import fat5
@@ -101,13 +102,50 @@ def test_full_finetuning_lowers_the_loss_and_reports_rouge(tiny_model, tmp_path)
         assert 0.0 <= evaluation[f"eval_{name}"] <= 100.0
     assert evaluation["eval_gen_len"] > 0 and evaluation["eval_loss"] > 0
 
+    # the output folder itself holds the model and tokenizer, as with transformers' Trainer
     model_dir = Path(result["model_dir"])
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir)
+    assert model_dir == tmp_path / "run"
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "run")
     assert isinstance(model, fat5.FAT5ForConditionalGeneration)
-    assert (model_dir / "tokenizer.json").is_file()
+    assert AutoTokenizer.from_pretrained(tmp_path / "run").pad_token == "<pad>"
+    assert not [path.name for path in model_dir.iterdir() if path.name.startswith(".")]
     saved_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert saved_metrics["eval"]["eval_rouge1"] == evaluation["eval_rouge1"]
     assert load_finetune_config(tmp_path / "run" / "finetune_config.yaml")["training"]["max_steps"] == 40
+
+
+def test_an_output_folder_with_a_model_or_checkpoints_needs_resume_or_overwrite(tiny_model, tmp_path, capfd):
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False, max_steps=2, save_strategy="steps",
+                            save_steps=1, save_total_limit=1)
+    finetune(config)
+    assert sorted(path.name for path in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    with pytest.raises(FAT5Error, match="checkpoints of an earlier run: pass --resume to continue from checkpoint-2"):
+        finetune(config)
+    capfd.readouterr()
+    resumed = finetune(config, overrides=["training.max_steps=3"], resume=True)
+    printed = capfd.readouterr()
+    assert f"--resume: continuing from {tmp_path / 'run' / 'checkpoint-2'}" in printed.out
+    assert "missing keys" not in printed.out + printed.err
+    assert resumed["log_history"][-1]["step"] == 3
+    assert AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "run").config.model_type == "fat5"
+
+    for checkpoint in (tmp_path / "run").glob("checkpoint-*"):
+        shutil.rmtree(checkpoint)
+    with pytest.raises(FAT5Error, match="already holds a model: pass --overwrite"):
+        finetune(config)
+    finetune(config, overwrite=True)
+    assert (tmp_path / "run" / "checkpoint-2").is_dir() and not (tmp_path / "run" / "checkpoint-3").exists()
+
+    # --overwrite never empties a folder that holds the model or the data the job reads
+    data = tmp_path / "data" / DATA.name
+    data.parent.mkdir()
+    shutil.copyfile(DATA, data)
+    config["data"]["train_file"] = str(data)
+    for holder in (tiny_model.parent, data.parent):
+        before = sorted(path.name for path in holder.rglob("*"))
+        with pytest.raises(FAT5Error, match="holds the input"):
+            finetune({**config, "output_dir": str(holder)}, overwrite=True)
+        assert sorted(path.name for path in holder.rglob("*")) == before
 
 
 def test_training_batches_are_grouped_by_length(tiny_model, tmp_path):
@@ -625,6 +663,28 @@ def test_finetune_command(tiny_model, tmp_path, capsys):
     args = parser.parse_args(["finetune", str(path), "--set", "data.text_column=body"])
     with pytest.raises(FAT5Error, match=r"no column\(s\) \['body'\]"):
         args.func(args)
+
+
+def test_ctrl_c_says_how_to_resume(tiny_model, tmp_path, monkeypatch, capsys):
+    from fat5.cli import main
+    from fat5.trainer import finetune as finetune_module
+
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    path = write(tmp_path / "config.yaml", json.dumps(seq2seq_config(tiny_model, run, validation=False)))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune_module, "finetune", interrupted)
+    assert main(["finetune", str(path)]) == 130
+    # checkpoint-3 is incomplete (empty): nothing to resume from yet
+    assert f"no checkpoint was written yet; `fat5 finetune {path} --overwrite` starts over" in capsys.readouterr().err
+    shutil.copytree(tiny_model, run / "checkpoint-2")
+    (run / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    assert main(["finetune", str(path), "--set", "training.max_steps=9"]) == 130
+    assert (f"`fat5 finetune {path} --set training.max_steps=9 --resume` continues from {run / 'checkpoint-2'}"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from test_conversion import TINY, make_checkpoint, padded_batch
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
 from fat5.conversion import convert
+from fat5.errors import FAT5Error
 from fat5.hub_upload import BundleError, add_hub_commands, bundle, flatten_remote_code
 
 bundle_module = sys.modules["fat5.hub_upload.bundle"]
@@ -289,6 +290,35 @@ def test_bundle_of_corrupted_weights_is_one_clear_line(converted_dir, tmp_path, 
     assert _leftovers(tmp_path / "out") == []
 
 
+class _OpensAFile:
+    """Unpickled, it would create `path`: what an unsafe pickle could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_bundle_of_an_unsafe_pickle_is_one_clear_line_and_never_runs_it(converted_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from fat5.cli import main
+
+    unsafe = tmp_path / "unsafe"
+    unsafe.mkdir()
+    for path in converted_dir.iterdir():
+        if path.name != "model.safetensors":
+            (unsafe / path.name).write_bytes(path.read_bytes())
+    marker = tmp_path / "the pickle ran"
+    tensors = load_file(converted_dir / "model.safetensors")
+    torch.save({**tensors, "payload": _OpensAFile(marker)}, unsafe / "pytorch_model.bin")
+    assert main(["bundle", str(unsafe), str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("fat5 bundle: error: ") and "pytorch_model.bin" in line and "refus" in line
+    assert not marker.exists() and _leftovers(tmp_path / "out") == []
+
+
 def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypatch):
     flat = flatten_remote_code()
     flat["modeling_fat5.py"] += "\nraise RuntimeError('deliberately broken remote code')\n"
@@ -296,6 +326,25 @@ def test_bundle_that_does_not_load_is_not_kept(converted_dir, tmp_path, monkeypa
     with pytest.raises(BundleError, match="deliberately broken remote code"):
         bundle(converted_dir, tmp_path / "out")
     assert _leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("layout", ["parent", "same"])
+def test_bundle_overwrite_never_replaces_a_folder_that_holds_the_input(converted_dir, tmp_path, layout):
+    """`fat5 bundle MODEL OUT --overwrite` with OUT holding MODEL (or being it) is refused; MODEL and its siblings
+    survive."""
+    import shutil
+
+    from fat5.cli import main
+
+    models = tmp_path / "models"
+    model = Path(shutil.copytree(converted_dir, models / "fat5"))
+    (models / "notes.txt").write_text("a sibling of the model")
+    out = models if layout == "parent" else model
+    before = {path: path.read_bytes() for path in models.rglob("*") if path.is_file()}
+    with pytest.raises(FAT5Error, match="holds the input"):
+        bundle(model, out, overwrite=True, validate=False)
+    assert main(["bundle", str(model), str(out), "--overwrite", "--no-validate"]) == 2
+    assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
 
 
 # --------------------------------------------------------------------------------------------- flattening

@@ -26,7 +26,7 @@ def default_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("pretrain-default")
     completed = subprocess.run(
         [sys.executable, "-m", "fat5.cli", "pretrain", "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=1500,
+        capture_output=True, text=True, timeout=1500, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output, completed
@@ -47,8 +47,8 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     assert logged and all(0.0 <= entry["padding_fraction"] < 0.1 for entry in logged)
     assert all(entry["z_loss"] > 0 for entry in logged)
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(output / "model").eval()
-    tokenizer = AutoTokenizer.from_pretrained(output / "model")
+    model = AutoModelForSeq2SeqLM.from_pretrained(output).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output)
     # rows for a multiple of 128 ids, as T5's 32,128 for 32,100 tokens (aligned products for the output layer)
     assert model.config.vocab_size % 128 == 0 and 0 <= model.config.vocab_size - len(tokenizer) < 128
     batch = tokenizer(["[S] To be, or not to be"], return_tensors="pt")
@@ -56,14 +56,44 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     assert generated.shape == (1, 9)
 
 
-def test_resumed_run_retraces_the_uninterrupted_one(tmp_path):
-    straight = pretrain(SMALL, tmp_path / "straight")
-    # a run interrupted after step 4 leaves what the straight run left there: checkpoint-4 and the tokenizer (which
-    # a resume reloads rather than retrains: the unigram trainer of `tokenizers` is not bit-reproducible)
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """SMALL run once, uninterrupted: checkpoint-4, checkpoint-8 and the final model in one folder."""
+    output = tmp_path_factory.mktemp("straight")
+    return output, pretrain(SMALL, output)
+
+
+def test_the_output_folder_itself_holds_the_model(straight_run):
+    """`from_pretrained(output_dir)` loads the final model and tokenizer (transformers' Trainer layout), with the
+    checkpoints beside them and no temporary folder left."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    output, summary = straight_run
+    assert summary["output"] == str(output)
+    model = AutoModelForSeq2SeqLM.from_pretrained(output)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    assert model.config.vocab_size >= len(tokenizer)
+    assert {"checkpoint-4", "checkpoint-8", "config.json", "model.safetensors", "pretrain_summary.json"} <= {
+        path.name for path in output.iterdir()}
+    assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
+
+
+def test_resumed_run_retraces_the_uninterrupted_one(straight_run, tmp_path, capfd):
+    output, straight = straight_run
+    # a run killed while writing checkpoint-8 (by an older release, without the atomic rename) leaves checkpoint-4,
+    # a half-written checkpoint-8 and the tokenizer: resume skips the broken one, saying why
     interrupted = tmp_path / "interrupted"
-    for left_behind in ("checkpoint-4", "tokenizer"):
-        shutil.copytree(tmp_path / "straight" / left_behind, interrupted / left_behind)
+    for left_behind in ("checkpoint-4", "checkpoint-8", "tokenizer"):
+        shutil.copytree(output / left_behind, interrupted / left_behind)
+    weights = interrupted / "checkpoint-8" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capfd.readouterr()
     resumed = pretrain(SMALL, interrupted, resume=True)
+    printed = capfd.readouterr()
+    assert "skipping the incomplete checkpoint-8: model.safetensors is damaged" in printed.out
+    assert f"continuing from {interrupted / 'checkpoint-4'}" in printed.out
+    # the tied embedding is stored once; its other names are not reported missing
+    assert "missing keys" not in printed.out + printed.err
 
     def losses(summary):
         return {entry["step"]: entry["loss"] for entry in summary["log_history"] if "loss" in entry}
@@ -71,6 +101,77 @@ def test_resumed_run_retraces_the_uninterrupted_one(tmp_path):
     assert losses(resumed).keys() >= {5, 6, 7, 8}
     for step in (5, 6, 7, 8):
         assert losses(resumed)[step] == pytest.approx(losses(straight)[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("damage", ["only config.json", "no trainer_state.json", "truncated weights",
+                                    "truncated optimizer", "damaged trainer_state.json"])
+def test_an_incomplete_checkpoint_is_never_chosen(straight_run, tmp_path, damage):
+    from fat5.trainer.trainer import newest_complete_checkpoint
+
+    output, _ = straight_run
+    for name in ("checkpoint-4", "checkpoint-8"):
+        shutil.copytree(output / name, tmp_path / name)
+    newest = tmp_path / "checkpoint-8"
+    if damage == "only config.json":
+        for path in newest.iterdir():
+            if path.name != "config.json":
+                path.unlink()
+    elif damage == "no trainer_state.json":
+        (newest / "trainer_state.json").unlink()
+    elif damage == "damaged trainer_state.json":
+        (newest / "trainer_state.json").write_text('{"global_st')
+    else:
+        path = newest / ("model.safetensors" if damage == "truncated weights" else "optimizer.pt")
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    chosen, skipped = newest_complete_checkpoint(tmp_path)
+    assert chosen == tmp_path / "checkpoint-4"
+    assert len(skipped) == 1 and skipped[0].startswith("checkpoint-8: ")
+    assert newest_complete_checkpoint(output)[0] == output / "checkpoint-8"
+
+
+def test_a_folder_with_a_model_or_checkpoints_is_refused_without_a_flag(straight_run, tmp_path):
+    output, _ = straight_run
+    run = tmp_path / "run"
+    shutil.copytree(output, run)
+    with pytest.raises(FAT5Error, match=r"checkpoints of an earlier run: pass --resume to continue from "
+                                        r"checkpoint-8, or --overwrite"):
+        pretrain(SMALL, run)
+    for checkpoint in run.glob("checkpoint-*"):
+        shutil.rmtree(checkpoint)
+    with pytest.raises(FAT5Error, match="already holds a model: pass --overwrite"):
+        pretrain(SMALL, run)
+    with pytest.raises(FAT5Error, match="pass one of them"):
+        pretrain(SMALL, run, resume=True, overwrite=True)
+    assert (run / "model.safetensors").is_file()
+
+
+def test_overwrite_never_removes_the_input(tmp_path):
+    """--overwrite on a folder that holds the config (or a tokenizer, corpus, ul2 file the job reads) is refused."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "config.yaml").write_text(json.dumps(SMALL))
+    (runs / "config.json").write_text("{}")
+    with pytest.raises(FAT5Error, match="holds the input"):
+        pretrain(runs / "config.yaml", runs, overwrite=True)
+    assert (runs / "config.yaml").is_file() and (runs / "config.json").is_file()
+
+
+def test_ctrl_c_says_how_to_resume(straight_run, tmp_path, monkeypatch, capsys):
+    from fat5.cli import main
+    from fat5.trainer import pretrain as pretrain_module
+
+    output, _ = straight_run
+    shutil.copytree(output / "checkpoint-4", tmp_path / "run" / "checkpoint-4")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pretrain_module, "pretrain", interrupted)
+    assert main(["pretrain", "--output-dir", str(tmp_path / "run")]) == 130
+    message = capsys.readouterr().err
+    assert f"`fat5 pretrain --output-dir {tmp_path / 'run'} --resume` continues from {tmp_path / 'run' / 'checkpoint-4'}" in message
+    assert main(["pretrain", "--output-dir", str(tmp_path / "empty")]) == 130
+    assert "no checkpoint was written yet; `fat5 pretrain --output-dir" in capsys.readouterr().err
 
 
 def test_config_mistakes_are_named(tmp_path):
@@ -85,14 +186,54 @@ def test_config_mistakes_are_named(tmp_path):
     broken["model"]["position_encoding"] = "sinusoidal"
     with pytest.raises(FAT5Error, match="position_encoding"):
         pretrain(broken, tmp_path / "broken")
-    with pytest.raises(FAT5Error, match="no checkpoint"):
-        pretrain(SMALL, tmp_path / "fresh", resume=True)
+
+
+@pytest.mark.parametrize("section, change, message", [
+    ("model", {"position_encoding": "sinusoidal"}, "invalid model section.*position_encoding"),
+    ("model", {"num_heads": 0}, "invalid model section"),
+    ("ul2", "missing_ul2.yaml", r"ul2: no such file .*missing_ul2.yaml"),
+    ("ul2", {"denoisers": []}, "ul2: "),
+    ("training", {"max_steps": -3}, r"training.max_steps must be -1 \(train num_train_epochs\) or an integer >= 1"),
+    ("training", {"learning_rate": -1.0e-3}, "training.learning_rate must be >= 0"),
+    ("training", {"adam_beta2": 1.5}, r"training.adam_beta2 must be in \[0, 1\)"),
+    ("training", {"per_device_train_batch_size": 0}, "training.per_device_train_batch_size must be >= 1"),
+    ("training", {"save_steps": 0}, "training.save_steps must be > 0"),
+    ("training", {"num_train_epochs": float("nan")}, "training.num_train_epochs must be > 0"),
+    ("training", {"warmup_steps": -1}, "training.warmup_steps must be >= 0"),
+    ("tokenizer", {"vocab_size": 0}, "tokenizer.vocab_size must be an integer >= 8"),
+])
+def test_the_whole_config_is_checked_before_any_work(tmp_path, monkeypatch, section, change, message):
+    """A mistake anywhere in the config is named before the corpus is read or a tokenizer trained."""
+    from fat5.trainer import pretrain as pretrain_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the job started working on an invalid config")
+
+    monkeypatch.setattr(pretrain_module, "load_corpus", no_work)
+    monkeypatch.chdir(tmp_path)
+    config = json.loads(json.dumps(SMALL))
+    config[section] = {**config.get(section, {}), **change} if isinstance(change, dict) and section != "ul2" else change
+    with pytest.raises(FAT5Error, match=message):
+        pretrain(config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_without_a_complete_checkpoint_starts_over_and_says_so(tmp_path, capfd):
+    config = json.loads(json.dumps(SMALL))
+    config["training"].update(max_steps=2, save_steps=2)
+    (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-2" / "config.json").write_text("{}")
+    summary = pretrain(config, tmp_path / "run", resume=True)
+    printed = capfd.readouterr().out
+    assert "skipping the incomplete checkpoint-2: no trainer_state.json" in printed
+    assert "no complete checkpoint in" in printed and "starting from step 0" in printed
+    assert summary["steps"] == 2 and (tmp_path / "run" / "checkpoint-2" / "trainer_state.json").is_file()
 
 
 def test_cli_reports_mistakes_without_a_traceback(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "fat5.cli", "pretrain", str(tmp_path / "missing.yaml"), "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert completed.returncode == 2
     assert "no pretraining config" in completed.stderr and "Traceback" not in completed.stderr

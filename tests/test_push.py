@@ -167,12 +167,13 @@ def test_invalid_folders_are_never_uploaded(hub, folders, tmp_path):
         (broken / name).write_bytes(content)
     (broken / "modeling_fat5.py").write_text("raise RuntimeError('deliberately broken')\n")
     with pytest.raises(PushError, match="refusing to upload .*RuntimeError: deliberately broken$"):
-        push(broken, "someone/fat5-tiny")  # one line: the clean process's exception, not its traceback
+        push(broken, "someone/fat5-tiny", force=True)  # one line: the clean process's exception, not its traceback
     weights = _bundle_files(bundled)["model.safetensors"]
     (broken / "modeling_fat5.py").write_bytes(_bundle_files(bundled)["modeling_fat5.py"])
     (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])
-    with pytest.raises(PushError, match="refusing to upload .*SafetensorError: .*header[^\n]*$"):
-        push(broken, "someone/fat5-tiny")
+    with pytest.raises(PushError, match="refusing to upload .*model.safetensors is not a readable safetensors file "
+                                        r"\(truncated or corrupted\?\): .*header[^\n]*$"):
+        push(broken, "someone/fat5-tiny", force=True)
     (broken / "modeling_fat5.py").unlink()
     with pytest.raises(PushError, match=r"lacks the remote-code files its auto_map names: \['modeling_fat5.py'\]"):
         push(broken, "someone/fat5-tiny")
@@ -181,6 +182,57 @@ def test_invalid_folders_are_never_uploaded(hub, folders, tmp_path):
     with pytest.raises(PushError, match="not a valid Hub repo id"):
         push(bundled, "not a//repo id")
     assert hub.requests == []
+
+
+@pytest.mark.parametrize("edit, named", [
+    ("code", "rms_norm.py differs from what `fat5 bundle` wrote"),
+    ("weights", "model.safetensors differs"),
+    ("config", "config.json differs"),
+    ("added code", "extra.py was added after `fat5 bundle`"),
+    ("removed manifest", "has no fat5_manifest.json"),
+])
+def test_an_edited_bundle_is_refused_naming_the_file(hub, folders, tmp_path, edit, named, capsys):
+    """A bundle whose code computes something else (and loads fine) is refused, dry run or not; --force pushes it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, bundled = folders
+    edited = Path(shutil.copytree(bundled, tmp_path / "edited"))
+    if edit == "code":
+        code = (edited / "rms_norm.py").read_text()
+        assert "\n    return " in code
+        (edited / "rms_norm.py").write_text(code.replace("\n    return ", "\n    return 0 * ", 1))
+    elif edit == "weights":
+        tensors = load_file(edited / "model.safetensors")
+        name = min(tensors)
+        tensors[name] = tensors[name] * 0
+        save_file(tensors, edited / "model.safetensors", metadata={"format": "pt"})
+    elif edit == "config":
+        config = json.loads((edited / "config.json").read_text())
+        (edited / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 0.5}))
+    elif edit == "added code":
+        (edited / "extra.py").write_text("VALUE = 1\n")
+    else:
+        (edited / "fat5_manifest.json").unlink()
+    (edited / "README.md").write_text("an edited model card is fine\n")
+    for dry_run in (True, False):
+        with pytest.raises(PushError, match=f"refusing to upload .*{named}.*--force"):
+            push(edited, "someone/fat5-tiny", dry_run=dry_run, validate=False)
+    assert hub.requests == []
+    push(edited, "someone/fat5-tiny", validate=False, force=True)
+    assert "pushed anyway" in capsys.readouterr().err
+    [(_, files)] = hub.commits()
+    assert files == _bundle_files(edited)
+
+
+def test_an_untouched_bundle_matches_its_manifest(folders):
+    from fat5.hub_upload.bundle import manifest_differences
+
+    _, bundled = folders
+    manifest = json.loads((bundled / "fat5_manifest.json").read_text())["sha256"]
+    assert {"config.json", "model.safetensors", "modeling_fat5.py", "rms_norm.py"} <= set(manifest)
+    assert "README.md" not in manifest and manifest_differences(bundled) == []
 
 
 def test_missing_token(hub, folders, monkeypatch):

@@ -6,7 +6,8 @@ Python: `convert(src, out, ...)` and `export_hf(fat5_dir, out, ...)`. Command li
 
 import argparse
 
-from .checkpoint import ConversionError, atomic_directory
+from ..output_folder import atomic_directory
+from .checkpoint import ConversionError
 from .convert import DTYPES, ConversionResult, convert, export_hf, map_state_dict
 from .verify import DEFAULT_TOLERANCE
 

@@ -4,13 +4,10 @@ Everything here turns a low-level failure (a missing file, a truncated safetenso
 `ConversionError` that names the file and the problem, so the `fat5` command can print it without a traceback.
 """
 
-import contextlib
 import json
 import os
 import shutil
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,43 +232,3 @@ def copy_side_files(source: Path, destination: Path, model_config=None) -> list[
         if filled:
             path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return copied
-
-
-def check_output_folder(out: Path, overwrite: bool = False) -> None:
-    """Raise unless `out` may become the output: absent, an empty folder, or any folder with `overwrite`."""
-    if out.exists() and not out.is_dir():
-        raise FAT5Error(f"{out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FAT5Error(f"{out} already exists and is not empty (pass --overwrite to replace it)")
-
-
-@contextlib.contextmanager
-def atomic_directory(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `out` that becomes `out` only if the block completes.
-
-    On any exception the temporary folder is removed and `out` is left as it was (absent, or untouched when it
-    existed). An existing non-empty `out` is an error unless `overwrite` is set.
-    """
-    out = Path(out).expanduser().absolute()
-    check_output_folder(out, overwrite)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise FAT5Error(f"cannot create the parent folder of {out}: {error}") from None
-    temporary = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        temporary.mkdir()
-    except OSError as error:  # a read-only or special file system: the user's choice of OUT, not a bug
-        raise FAT5Error(f"cannot create a folder beside {out}: {error}") from None
-    try:
-        yield temporary
-        if out.exists():
-            previous = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(previous)
-            temporary.rename(out)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            temporary.rename(out)
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)

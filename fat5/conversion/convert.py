@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
+from ..output_folder import atomic_directory, check_output_folder
 from .checkpoint import (
     ConversionError,
     ResolvedSource,
-    atomic_directory,
-    check_output_folder,
     copy_side_files,
     predominant_dtype,
     read_raw_config,
@@ -484,10 +483,9 @@ def convert(
     dtype = _parse_dtype(dtype)
     out = Path(out).expanduser().absolute()
     # before a Hub download or a conversion that may take minutes (a bundle is converted in a staging folder first)
-    check_output_folder(out, overwrite)
+    check_output_folder(out, overwrite=overwrite)
     resolved = resolve_source(src, revision)
-    if resolved.path == out or resolved.path in out.parents:
-        raise ConversionError(f"the output folder {out} must lie outside the source folder {resolved.path}")
+    check_output_folder(out, overwrite=overwrite, inputs=[resolved.path])
     source_name = resolved.repo_id or str(resolved.path)
     options = {
         "dtype": dtype,
@@ -497,7 +495,7 @@ def convert(
         "source_name": source_name,
     }
     if not (bundle or push_to):
-        with atomic_directory(out, overwrite=overwrite) as folder:
+        with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
             result = _convert_into(resolved, folder, **options)
         result.output = out
         return result
@@ -604,6 +602,7 @@ def export_hf(
     except ValueError as error:
         raise ConversionError(f"{source / 'config.json'} is not a valid FAT5Config: {error}") from None
     family = _export_family(fat5_config, source, family)
+    check_output_folder(out, overwrite=overwrite, inputs=[source])
     suffix = _architecture_suffix(raw.get("architectures") or ["FAT5ForConditionalGeneration"], "FAT5")
     if suffix is None:
         raise ConversionError(
@@ -626,7 +625,7 @@ def export_hf(
             "transformers 5's UMT5 classes scale the decoder output of every checkpoint (as they do for the Hub's "
             "google/umt5-*); transformers 4 and the original UMT5 follow tie_word_embeddings=false and do not"
         )
-    with atomic_directory(out, overwrite=overwrite) as folder:
+    with atomic_directory(out, overwrite=overwrite, inputs=[source]) as folder:
         _write_hf_weights(target, mapped, folder, out_dtype, max_shard_size)
         (folder / "config.json").write_text(json.dumps(hf_raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         copy_side_files(source, folder, fat5_config)

@@ -53,6 +53,7 @@ def _run_push(args: argparse.Namespace) -> int:
         revision=args.revision,
         commit_message=args.commit_message,
         dry_run=args.dry_run,
+        force=args.force,
     )
     return 0
 
@@ -86,8 +87,9 @@ def add_hub_commands(subparsers) -> None:
     push_parser = subparsers.add_parser(
         "push",
         help="upload a bundled FAT5 folder to the Hub (validated first)",
-        description="Validate FOLDER (it must load with trust_remote_code=True in a fresh process), create REPO_ID "
-        "if needed and upload FOLDER. The token comes from `hf auth login` or HF_TOKEN; HF_ENDPOINT picks the Hub.",
+        description="Validate FOLDER (its code, weights and config must be what `fat5 bundle` wrote, and it must load "
+        "with trust_remote_code=True in a fresh process), create REPO_ID if needed and upload FOLDER. "
+        "The token comes from `hf auth login` or HF_TOKEN; HF_ENDPOINT picks the Hub.",
     )
     push_parser.add_argument("folder", help="bundled folder (from `fat5 bundle` or `fat5 convert --bundle`)")
     push_parser.add_argument("repo_id", help="Hub model repo, e.g. user/fat5-flan-t5-base")
@@ -95,4 +97,6 @@ def add_hub_commands(subparsers) -> None:
     push_parser.add_argument("--revision", default=None, help="branch to upload to (created if missing)")
     push_parser.add_argument("--commit-message", default=None, help="commit message")
     push_parser.add_argument("--dry-run", action="store_true", help="validate and list the files, upload nothing")
+    push_parser.add_argument("--force", action="store_true",
+                             help="push a folder whose code, weights or config differ from what `fat5 bundle` wrote")
     push_parser.set_defaults(func=_run_push)

@@ -12,6 +12,7 @@ neither `fat5` nor `triton` can be imported, giving the in-package model's outpu
 import ast
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -28,6 +29,9 @@ PACKAGE = "fat5"
 REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py")
 KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
+# the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
+# `push` refuses a folder whose files differ from it
+MANIFEST_FILE = "fat5_manifest.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 VALIDATION_TOLERANCE = 1e-5
 VALIDATION_TIMEOUT_S = 900
@@ -360,6 +364,56 @@ def validate_bundle(folder, compare_with_package: bool = True, tolerance: float 
     return figures
 
 
+# ----------------------------------------------------------------------------------------------- manifest
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest_files(folder: Path) -> list[str]:
+    """The files of ``folder`` the manifest covers: the remote code, the weights (and their index) and config.json;
+    the model card, tokenizer and generation config stay free to edit."""
+    return sorted(
+        path.name for path in folder.iterdir()
+        if path.is_file() and (path.suffix in (".py", ".safetensors") or path.name == "config.json"
+                               or path.name.endswith(".safetensors.index.json"))
+    )
+
+
+def write_manifest(folder: Path) -> None:
+    from fat5 import __version__
+
+    manifest = {"fat5_version": __version__, "sha256": {name: _sha256(folder / name) for name in manifest_files(folder)}}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def manifest_differences(folder: Path) -> list[str]:
+    """One line per file of ``folder`` that differs from the manifest `bundle` wrote (changed, missing, added), or
+    one line saying there is no readable manifest; empty when the folder is what `bundle` wrote."""
+    path = folder / MANIFEST_FILE
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["sha256"]
+    except FileNotFoundError:
+        return [f"{folder} has no {MANIFEST_FILE}: it was not written by `fat5 bundle`"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return [f"{path} is damaged ({error})"]
+    differences = []
+    for name, digest in sorted(recorded.items()):
+        if not (folder / name).is_file():
+            differences.append(f"{name} is missing")
+        elif _sha256(folder / name) != digest:
+            differences.append(f"{name} differs from what `fat5 bundle` wrote")
+    differences += [f"{name} was added after `fat5 bundle`" for name in manifest_files(folder) if name not in recorded]
+    return differences
+
+
 # ----------------------------------------------------------------------------------------------- bundle
 
 
@@ -384,6 +438,12 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
     with _quiet_transformers():
         try:
             model, info = model_class.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
+        except pickle.UnpicklingError:
+            # torch.load(weights_only=True) refuses a pickle holding more than tensors, and never runs it
+            raise BundleError(
+                f"{model_dir}: refusing to load its pytorch_model.bin: it holds Python objects besides tensors (an "
+                "unsafe pickle could run code). Save the weights as safetensors where you trust the file"
+            ) from None
         # a truncated or corrupted weights file raises SafetensorError, which derives from none of the others
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             raise BundleError(f"{model_dir} does not load as {architectures[0]}: {error}") from None
@@ -413,7 +473,8 @@ def bundle(
     cannot import fat5 or triton and must reproduce the in-package model's outputs; `out` appears (atomically) only
     after that.
     """
-    from fat5.conversion.checkpoint import atomic_directory, copy_side_files
+    from fat5.conversion.checkpoint import copy_side_files
+    from fat5.output_folder import atomic_directory
 
     from .model_card import build_model_card
 
@@ -421,7 +482,8 @@ def bundle(
     if not model_dir.is_dir():
         raise BundleError(f"{model_dir}: no such folder")
     code = flatten_remote_code()
-    with atomic_directory(out, overwrite=overwrite) as folder:
+    # a bundle may go inside the model's folder (`fat5 finetune` writes one there), never around it
+    with atomic_directory(out, overwrite=overwrite, inputs=[model_dir], inside_inputs_ok=True) as folder:
         architecture, _ = _weights_and_config(model_dir, folder, max_shard_size)
         auto_map = auto_map_for(architecture, code["modeling_fat5.py"])
         config_path = folder / "config.json"
@@ -440,6 +502,7 @@ def bundle(
         )
         card.save(folder / "README.md")
         validation = validate_bundle(folder) if validate else None
+        write_manifest(folder)
         files = sorted(path.name for path in folder.iterdir())
     return BundleResult(
         output=Path(out).expanduser().absolute(),

@@ -1,11 +1,13 @@
 """Upload a bundled FAT5 folder to the Hub, after proving it loads.
 
 The folder is checked before anything is sent: its files (config with `auto_map`, the remote code it names,
-weights), then a fresh Python process that cannot import fat5 or triton loads it with `trust_remote_code=True`,
+weights), that its code, weights and config are byte for byte what `fat5 bundle` wrote (the sha256 manifest; an
+edited bundle is refused, naming the file, unless forced), then a fresh Python process that cannot import fat5 or triton loads it with `trust_remote_code=True`,
 runs a forward and generates. Only then `create_repo(exist_ok=True)` and `upload_folder`.
 """
 
 import json
+import sys
 from pathlib import Path
 
 from fat5.errors import FAT5Error
@@ -86,6 +88,7 @@ def push(
     dry_run: bool = False,
     token: str | None = None,
     validate: bool = True,
+    force: bool = False,
 ) -> str:
     """Upload the bundled FAT5 `folder` to the Hub model repo `repo_id` and return the repo's URL.
 
@@ -93,13 +96,14 @@ def push(
     a fresh process without fat5 or triton); an invalid folder is never uploaded. The token comes from `token` or
     huggingface_hub's usual sources. The repo is created if needed (`private` applies to a new repo only);
     `revision` is a branch, created from the default branch if it does not exist. `dry_run` validates and reports
-    what would be uploaded, contacting nothing. The endpoint is huggingface_hub's (`HF_ENDPOINT`).
+    what would be uploaded, contacting nothing. The endpoint is huggingface_hub's (`HF_ENDPOINT`). A folder whose
+    code, weights or config differ from the manifest `fat5 bundle` wrote is refused unless `force` is set.
     """
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from .bundle import BundleError, validate_bundle
+    from .bundle import BundleError, manifest_differences, validate_bundle
 
     folder = Path(folder).expanduser().absolute()
     try:
@@ -107,6 +111,11 @@ def push(
     except HFValidationError as error:
         raise PushError(f"{repo_id!r} is not a valid Hub repo id: {error}") from None
     check_folder_files(folder)
+    differences = manifest_differences(folder)
+    if differences and not force:
+        raise PushError(f"refusing to upload {folder}: {'; '.join(differences)} (pass --force to push it anyway)")
+    for difference in differences:
+        print(f"warning: {difference} (pushed anyway: --force)", file=sys.stderr)
     token = None if dry_run else resolve_token(token)
     if validate:
         try:

@@ -45,10 +45,13 @@ Defaults the job sets in ``training`` unless given: ``train_sampling_strategy: g
 similar lengths, less padding), ``report_to: none``, and for seq2seq with evaluation data
 ``predict_with_generate: true`` with ``generation_max_length: max_target_length``.
 
-What it writes under ``output_dir``: ``model/`` (full finetuning) or ``adapter/`` (LoRA, the PEFT adapter, which
-``peft.AutoPeftModelForSeq2SeqLM.from_pretrained`` loads after ``import fat5``) and ``merged/`` (the adapter merged
-back into a plain FAT5 model), each with the tokenizer; ``bundle/`` when asked; ``metrics.json``; and the resolved
-configuration as ``finetune_config.yaml``.
+What it writes in ``output_dir``, as transformers' Trainer does: the final model and its tokenizer in the folder
+itself, so that ``from_pretrained(output_dir)`` loads it (after ``import fat5``): the finetuned model, or with LoRA
+the adapter merged back into a plain FAT5 model, the PEFT adapter itself then in ``adapter/`` (which
+``peft.AutoPeftModelForSeq2SeqLM.from_pretrained`` loads; with ``merge: false`` the adapter is the folder's model);
+the checkpoints in ``checkpoint-N``; ``bundle/`` when asked; ``metrics.json``; and the resolved configuration as
+``finetune_config.yaml``. A folder that already holds a model or checkpoints is refused: ``--resume`` continues from
+its newest complete checkpoint, ``--overwrite`` replaces its content (never a folder that holds the input).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import copy
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,7 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
+from ..output_folder import move_into, prepare_run_folder
 
 TASKS = ("seq2seq", "sequence_classification", "token_classification")
 DEFAULT_COLUMNS = {
@@ -723,19 +728,31 @@ def merge_adapter(setup: FinetuneSetup, adapter_dir: Path, merged_dir: Path) -> 
 
     base = load_model(setup.config["task"], setup.model_path, setup.model_kwargs, setup.config["dtype"])
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged.save_pretrained(merged_dir)
-    setup.tokenizer.save_pretrained(merged_dir)
+    temporary = merged_dir / ".merged-model.tmp"
+    merged.save_pretrained(temporary)
+    setup.tokenizer.save_pretrained(temporary)
+    move_into(temporary, merged_dir)
     return merged_dir
 
 
-def run_finetune(setup: FinetuneSetup) -> dict:
-    """Train, evaluate and save what `prepare_finetune` built; returns the paths written and the metrics."""
-    from .trainer import require_full_state_dict
+def _save_final(trainer, folder: Path) -> None:
+    """``trainer.save_model`` into a temporary folder inside ``folder``, then its files to the top of ``folder``."""
+    temporary = folder / ".final-model.tmp"
+    trainer.save_model(str(temporary))
+    if trainer.is_world_process_zero():
+        move_into(temporary, folder)
+
+
+def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
+    """Train (from the newest complete checkpoint of the output folder with ``resume``), evaluate and save what
+    `prepare_finetune` built; returns the paths written and the metrics."""
+    from .trainer import find_resume_checkpoint, require_full_state_dict
 
     config, trainer = setup.config, setup.trainer
     output_dir = Path(config["output_dir"])
     require_full_state_dict(trainer)
-    train_result = trainer.train()
+    checkpoint = find_resume_checkpoint(output_dir, announce=trainer.is_world_process_zero()) if resume else None
+    train_result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     eval_metrics = trainer.evaluate() if setup.eval_dataset is not None else None
 
     result = {
@@ -750,19 +767,20 @@ def run_finetune(setup: FinetuneSetup) -> dict:
     }
     # save_model writes from the main process only; the steps after it run there alone
     main_process = trainer.is_world_process_zero()
+    final_dir = output_dir
     if config["lora"] is None:
-        final_dir = output_dir / "model"
-        trainer.save_model(str(final_dir))
+        _save_final(trainer, final_dir)
         result["model_dir"] = str(final_dir)
-    else:
+    elif config["lora"]["merge"]:
         adapter_dir = output_dir / "adapter"
         trainer.save_model(str(adapter_dir))
         result["adapter_dir"] = str(adapter_dir)
-        final_dir = output_dir / "merged"
-        if config["lora"]["merge"]:
-            if main_process:
-                merge_adapter(setup, adapter_dir, final_dir)
-            result["merged_dir"] = str(final_dir)
+        if main_process:
+            merge_adapter(setup, adapter_dir, final_dir)
+        result["merged_dir"] = str(final_dir)
+    else:
+        _save_final(trainer, final_dir)
+        result["adapter_dir"] = str(final_dir)
     if config["bundle"]:
         bundle_dir = output_dir / "bundle"
         if main_process:
@@ -781,15 +799,35 @@ def run_finetune(setup: FinetuneSetup) -> dict:
     return result
 
 
-def finetune(config_path_or_dict, output_dir=None, overrides=()) -> dict:
+def _inputs(config: dict) -> list[Path]:
+    """The local paths a finetuning job reads (model, tokenizer, data files): never removed by ``--overwrite``."""
+    data = config["data"]
+    paths = [config["model"], config["tokenizer"], data["dataset_name"]]
+    for name in ("train_file", "validation_file"):
+        paths += data[name] if isinstance(data[name], list) else [data[name]]
+    return [Path(path) for path in paths if isinstance(path, (str, os.PathLike)) and Path(path).exists()]
+
+
+def finetune(config_path_or_dict, output_dir=None, overrides=(), overwrite: bool = False, resume: bool = False) -> dict:
     """Run the `fat5 finetune` job described by a YAML file or a dict (see the module doc for its keys).
 
     Returns ``{"output_dir", "model_dir", "adapter_dir", "merged_dir", "bundle_dir", "train", "eval",
     "log_history"}``: the folders written (None where not applicable), the train and final evaluation metrics and
-    the Trainer's log history. Configuration and data mistakes raise `FAT5Error`.
+    the Trainer's log history. Configuration and data mistakes raise `FAT5Error`, as does an output folder that
+    already holds a model or checkpoints unless ``resume`` (continue from the newest complete checkpoint) or
+    ``overwrite`` (replace the folder's content) is set.
     """
+    from accelerate import PartialState
+
     config = load_finetune_config(config_path_or_dict, output_dir=output_dir, overrides=overrides)
-    return run_finetune(prepare_finetune(config))
+    state = PartialState()
+    inputs = _inputs(config)
+    if isinstance(config_path_or_dict, (str, os.PathLike)):
+        inputs.append(Path(config_path_or_dict))
+    prepare_run_folder(config["output_dir"], overwrite=overwrite, resume=resume, inputs=inputs,
+                       main_process=state.is_main_process)
+    state.wait_for_everyone()
+    return run_finetune(prepare_finetune(config), resume=resume)
 
 
 # ----------------------------------------------------------------------------------------------- a model to try it on
@@ -835,7 +873,17 @@ def make_tiny_model(output_dir, texts, vocab_size: int = 256, seed: int = 0, **c
 
 
 def _run_finetune_command(args: argparse.Namespace) -> int:
-    result = finetune(args.config, output_dir=args.output_dir, overrides=args.overrides)
+    from .trainer import resume_hint
+
+    try:
+        result = finetune(args.config, output_dir=args.output_dir, overrides=args.overrides, overwrite=args.overwrite,
+                          resume=args.resume)
+    except KeyboardInterrupt:
+        output_dir = load_finetune_config(args.config, output_dir=args.output_dir, overrides=args.overrides)["output_dir"]
+        command = " ".join(["fat5 finetune", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
+                            *(f"--set {override}" for override in args.overrides)])
+        print(f"fat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
+        raise
     for name in ("model_dir", "adapter_dir", "merged_dir", "bundle_dir"):
         if result[name]:
             print(f"{name.removesuffix('_dir')}: {result[name]}")
@@ -854,7 +902,12 @@ def add_finetune_command(subparsers) -> None:
         "LoRA adapter and the merged model) under output_dir. Examples: fat5/trainer/configs/finetune_*.yaml.",
     )
     parser.add_argument("config", help="YAML configuration (task, model, data, lora, training, ...)")
-    parser.add_argument("--output-dir", default=None, help="where to write (overrides the config's output_dir)")
+    parser.add_argument("--output-dir", default=None, help="where to write (overrides the config's output_dir): the "
+                        "final model and tokenizer, loadable with from_pretrained(DIR), and the checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in the output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the content of the output folder (never a folder that holds the input)")
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -2,19 +2,26 @@
 
 The steps, in order: read the config (the built-in default when none is given), get a tokenizer (train one on the
 corpus when none is given), load and tokenize the corpus, build the packed UL2 batches, train with
-:class:`FAT5Trainer`, evaluate, and save the model and tokenizer to the output folder, where
+:class:`FAT5Trainer`, evaluate, and save the model and tokenizer to the output folder itself, where
 ``AutoModelForSeq2SeqLM.from_pretrained(folder)`` (after ``import fat5``) and ``AutoTokenizer`` load them.
+
+The output folder also holds the checkpoints (``checkpoint-N``, each written whole or not at all), the tokenizer
+trained for the run (``tokenizer/``) and ``pretrain_summary.json``. A folder that already holds a model or
+checkpoints is refused: ``--resume`` continues from its newest complete checkpoint, ``--overwrite`` replaces its
+content (never a folder that holds the input or the current directory).
 """
 
 import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
 
 from ..errors import FAT5Error
+from ..output_folder import disk_full_error, is_disk_full, move_into, prepare_run_folder
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pretrain_default.yaml"
@@ -80,6 +87,38 @@ def _check_sections(settings: dict) -> None:
         if not (value is None and may_be_null) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise FAT5Error(f"data.{name} must be an integer >= 1{' or null' if may_be_null else ''}, got {value!r}")
     check_training_arguments({key: value for key, value in settings["training"].items() if key != "output_dir"})
+    _check_ul2(settings.get("ul2"))
+    tokenizer = settings["tokenizer"]
+    if tokenizer.get("path") is None:
+        vocab_size = tokenizer.get("vocab_size", 4096)
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 8:
+            raise FAT5Error(f"tokenizer.vocab_size must be an integer >= 8, got {vocab_size!r}")
+        # the model section is checked now, not after minutes of tokenizer training: as the job will build it, with
+        # the ids a trained tokenizer has (pad 0, eos 1)
+        _model_config(settings["model"], vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=0,
+                      eos_token_id=1)
+
+
+def _check_ul2(ul2) -> None:
+    """Raise FAT5Error for a ul2 section (a mapping, or the path of a YAML file) that names no readable mixture."""
+    from .ul2 import UL2Mixture, load_ul2_config
+
+    if ul2 is None:
+        return
+    if isinstance(ul2, (str, os.PathLike)):
+        path = Path(ul2).expanduser()
+        if not path.is_file():
+            raise FAT5Error(f"ul2: no such file {path} (give a YAML file of denoisers, or the mixture itself)")
+        try:
+            ul2 = load_ul2_config(path)
+        except (OSError, yaml.YAMLError, TypeError) as error:
+            raise FAT5Error(f"ul2: cannot read {path}: {error}") from None
+    if not isinstance(ul2, dict):
+        raise FAT5Error(f"ul2 must be a mapping (denoisers, proportions) or a YAML path, got {ul2!r}")
+    try:
+        UL2Mixture.from_config(ul2)
+    except (TypeError, ValueError, KeyError) as error:
+        raise FAT5Error(f"ul2: {error}") from None
 
 
 def _texts_for_tokenizer(dataset, limit: int | None, text_column: str):
@@ -101,8 +140,8 @@ def load_corpus(data: dict, seed: int):
         return load_shakespeare(unit=data.get("unit", "scene")), None
     if "path" not in data:
         raise FAT5Error("the data section needs `corpus: shakespeare` or a `path` (dataset name, file or folder)")
-    options = dict(name=data.get("name"), data_files=data.get("data_files"), streaming=data.get("streaming", False),
-                   text_column=data.get("text_column", "text"))
+    options = {"name": data.get("name"), "data_files": data.get("data_files"), "streaming": data.get("streaming", False),
+                   "text_column": data.get("text_column", "text")}
     try:
         train = load_text_dataset(data["path"], split=data.get("split", "train"), **options)
         evaluation = None
@@ -113,11 +152,12 @@ def load_corpus(data: dict, seed: int):
     return train, evaluation
 
 
-def get_tokenizer(settings: dict, train_texts, text_column: str, output_dir: Path, resume: bool = False):
-    """The configured tokenizer; else, when resuming, the one trained for this run; else a new one."""
+def get_tokenizer(settings: dict, train_texts, text_column: str, output_dir: Path, saved=None):
+    """The configured tokenizer; else the one this run saved (``saved``: the checkpoint a run resumes from, or the
+    folder where the main process saved the tokenizer it trained); else a new one, saved in ``output_dir/tokenizer``."""
     from .tokenizer import load_tokenizer, train_tokenizer
 
-    path = settings.get("path") or (output_dir / "tokenizer" if resume else None)
+    path = settings.get("path") or saved
     if path:
         try:
             return load_tokenizer(path)
@@ -139,30 +179,36 @@ def get_tokenizer(settings: dict, train_texts, text_column: str, output_dir: Pat
 VOCAB_MULTIPLE = 128
 
 
+def _model_config(model_settings: dict, vocab_size: int, pad_token_id: int, eos_token_id: int):
+    from .. import FAT5Config
+
+    fields = dict(model_settings)
+    fields.update(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                  decoder_start_token_id=pad_token_id)
+    try:
+        return FAT5Config(**fields)
+    except (TypeError, ValueError) as error:
+        raise FAT5Error(f"invalid model section: {error}") from None
+
+
 def build_model(model_settings: dict, tokenizer, vocab_size: int | None = None):
     """A fresh FAT5 for the tokenizer; ``vocab_size`` (a resumed run's, from its checkpoint) replaces the rounded
     length of the tokenizer."""
-    from .. import FAT5Config, FAT5ForConditionalGeneration
+    from .. import FAT5ForConditionalGeneration
 
-    fields = dict(model_settings)
-    fields.update(
-        vocab_size=vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
+    vocab_size = vocab_size or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return FAT5ForConditionalGeneration(
+        _model_config(model_settings, vocab_size, tokenizer.pad_token_id, tokenizer.eos_token_id)
     )
-    try:
-        config = FAT5Config(**fields)
-    except (TypeError, ValueError) as error:
-        raise FAT5Error(f"invalid model section: {error}") from None
-    return FAT5ForConditionalGeneration(config)
 
 
-def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
+def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool = False) -> dict:
     """Run the whole pretraining job; returns a summary (losses, steps, where the model is).
 
-    ``config`` is a YAML path, a mapping, or None for the built-in default; ``resume`` continues from the last
-    checkpoint in ``output_dir``.
+    ``config`` is a YAML path, a mapping, or None for the built-in default. The final model and tokenizer are
+    written to ``output_dir`` itself; a folder that holds a model or checkpoints is refused unless ``resume``
+    (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite`` (replace its
+    content) is set.
     """
     from accelerate import PartialState
     from transformers import AutoModelForSeq2SeqLM, set_seed
@@ -170,16 +216,20 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     from .collator import UL2DataCollator
     from .data import tokenize_dataset
     from .packing import PackedStreamDataset, UL2PackedBatchSampler
-    from .trainer import FAT5Trainer, FAT5TrainingArguments, require_full_state_dict
+    from .trainer import FAT5Trainer, FAT5TrainingArguments, find_resume_checkpoint, require_full_state_dict
 
     settings = load_config(config)
-    output_dir = Path(output_dir or "outputs/fat5-pretrain")
-    checkpoint = None
-    if resume:
-        checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[-1]))
-        if not checkpoints:
-            raise FAT5Error(f"--resume: no checkpoint-* folder in {output_dir}")
-        checkpoint = str(checkpoints[-1])
+    state = PartialState()
+    inputs = [settings["tokenizer"].get("path"), settings["data"].get("path")]
+    if isinstance(settings.get("ul2"), (str, os.PathLike)):
+        inputs.append(settings["ul2"])
+    if isinstance(config, (str, os.PathLike)):
+        inputs.append(config)
+    output_dir = prepare_run_folder(output_dir or "outputs/fat5-pretrain", overwrite=overwrite, resume=resume,
+                                    inputs=[path for path in inputs if path and Path(path).exists()],
+                                    main_process=state.is_main_process)
+    state.wait_for_everyone()
+    checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
     seed, data = int(settings.get("seed", 0)), settings["data"]
     set_seed(seed)
@@ -188,15 +238,14 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
     # under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
     # cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a
     # tokenizer trained on each rank could differ, and would then give the same ids different meanings
-    state = PartialState()
     with state.main_process_first():
         train_texts, eval_texts = load_corpus(data, seed)
-        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir,
-                                  resume or not state.is_main_process)
+        saved = checkpoint or (None if state.is_main_process else output_dir / "tokenizer")
+        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir, saved)
     # a run started by an older release may have its embeddings at the tokenizer's own length
     saved_vocab_size = None
-    if checkpoint and (Path(checkpoint) / "config.json").is_file():
-        saved_vocab_size = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    if checkpoint and (checkpoint / "config.json").is_file():
+        saved_vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     model = build_model(settings["model"], tokenizer, saved_vocab_size)
     collator = UL2DataCollator(
         tokenizer,
@@ -206,9 +255,9 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
         packed=True,
         seed=seed,
     )
-    tokenize = dict(text_column=text_column, num_proc=data.get("num_proc"))
+    tokenize = {"text_column": text_column, "num_proc": data.get("num_proc")}
     train = tokenize_dataset(train_texts, tokenizer, **tokenize)
-    batching = dict(tokens_per_batch=data["tokens_per_batch"], seed=seed)
+    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": seed}
     train_sampler = None
     if data.get("streaming"):
         train = PackedStreamDataset(train, collator, **batching)
@@ -243,10 +292,10 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
         eval_batch_sampler=eval_sampler,
     )
     require_full_state_dict(trainer)
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     metrics = trainer.evaluate() if evaluation is not None else {}
 
-    final = output_dir / "model"
+    final = output_dir
     _save_verified(trainer, tokenizer, final)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {
@@ -269,25 +318,34 @@ def pretrain(config=None, output_dir=None, resume: bool = False) -> dict:
 
 
 def _save_verified(trainer, tokenizer, final: Path) -> None:
-    """Save model and tokenizer to a temporary folder, load it back, then move it into place.
+    """Save model and tokenizer to a temporary folder inside ``final``, load it back, then move its files to the
+    top of ``final``.
 
     Every process calls it: under FSDP, ``save_model`` gathers the full state dict from all of them (and writes
     it from the main process, as it always does); the files are touched by the main process alone.
     """
     from transformers import AutoModelForSeq2SeqLM
 
+    from .trainer import newest_complete_checkpoint
+
     main_process = trainer.is_world_process_zero()
-    temporary = final.with_name(final.name + ".tmp")
+    temporary = final / ".final-model.tmp"
     if main_process:
         shutil.rmtree(temporary, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
-    trainer.save_model(str(temporary))
-    if main_process:
-        tokenizer.save_pretrained(str(temporary))
-        AutoModelForSeq2SeqLM.from_pretrained(temporary)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(temporary, final)
+    try:
+        trainer.save_model(str(temporary))
+        if main_process:
+            tokenizer.save_pretrained(str(temporary))
+            AutoModelForSeq2SeqLM.from_pretrained(temporary)
+            move_into(temporary, final)
+    except Exception as error:
+        if not is_disk_full(error, temporary):
+            raise
+        shutil.rmtree(temporary, ignore_errors=True)
+        kept, _ = newest_complete_checkpoint(final)
+        raise disk_full_error(final, "the final model was not written" + (
+            f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else "")) from None
     trainer.accelerator.wait_for_everyone()
 
 
@@ -300,13 +358,30 @@ def add_pretrain_command(subparsers) -> None:
     )
     parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
                         f"({DEFAULT_CONFIG.relative_to(CONFIG_DIR.parent.parent.parent)})")
-    parser.add_argument("--output-dir", default="outputs/fat5-pretrain", help="checkpoints and the final model/")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    parser.add_argument("--output-dir", default="outputs/fat5-pretrain",
+                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
+                        "checkpoints in DIR/checkpoint-N (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --output-dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the content of --output-dir (never a folder that holds the input)")
     parser.set_defaults(func=_run_pretrain)
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    summary = pretrain(args.config, args.output_dir, resume=args.resume)
+    from .trainer import resume_hint
+
+    try:
+        summary = pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
+        print(f"fat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
+        raise
+    except OSError as error:
+        # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
+        if not is_disk_full(error, args.output_dir):
+            raise
+        raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
     first, last = summary["first_logged_loss"], summary["last_logged_loss"]
     print(f"trained {summary['steps']} steps: loss {first:.3f} -> {last:.3f}"
           + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))

@@ -5,14 +5,27 @@ The model computes the fused cross-entropy + z-loss itself (exact under gradient
 to every training log, and routes transformers' ``label_smoothing_factor`` into the fused loss.
 """
 
+import json
+import math
+import os
+import re
+import shutil
 import time
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..output_folder import disk_full_error, is_disk_full
+
+# a checkpoint is written in here, inside the run folder (same disk), and renamed to checkpoint-N once complete
+CHECKPOINT_STAGING = ".checkpoint-staging"
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 @dataclass
@@ -70,9 +83,56 @@ def _parses_as_number(text: str) -> bool:
     return True
 
 
+# the meaningful range of each numeric field: (lowest, highest, whether each bound is allowed, other allowed values);
+# transformers accepts e.g. max_steps -3 and then trains epochs without a word, or a beta of 1.5 that diverges
+_RANGES = {
+    "max_steps": (1, None, (True, True), (-1,), "-1 (train num_train_epochs) or an integer >= 1"),
+    "num_train_epochs": (0, None, (False, True), (), "> 0"),
+    "learning_rate": (0, None, (True, True), (), ">= 0"),
+    "warmup_steps": (0, None, (True, True), (), ">= 0 (below 1: a share of the steps)"),
+    "weight_decay": (0, None, (True, True), (), ">= 0"),
+    "adam_beta1": (0, 1, (True, False), (), "in [0, 1)"),
+    "adam_beta2": (0, 1, (True, False), (), "in [0, 1)"),
+    "adam_epsilon": (0, None, (False, True), (), "> 0"),
+    "max_grad_norm": (0, None, (True, True), (), ">= 0 (0: no clipping)"),
+    "label_smoothing_factor": (0, 1, (True, False), (), "in [0, 1)"),
+    "neftune_noise_alpha": (0, None, (False, True), (None,), "> 0 or null"),
+    "per_device_train_batch_size": (1, None, (True, True), (), ">= 1"),
+    "per_device_eval_batch_size": (1, None, (True, True), (), ">= 1"),
+    "gradient_accumulation_steps": (1, None, (True, True), (), ">= 1"),
+    "eval_accumulation_steps": (1, None, (True, True), (None,), ">= 1 or null"),
+    "torch_empty_cache_steps": (1, None, (True, True), (None,), ">= 1 or null"),
+    "logging_steps": (0, None, (False, True), (), "> 0 (below 1: a share of the steps)"),
+    "eval_steps": (0, None, (False, True), (None,), "> 0 (below 1: a share of the steps) or null"),
+    "save_steps": (0, None, (False, True), (), "> 0 (below 1: a share of the steps)"),
+    "eval_delay": (0, None, (True, True), (), ">= 0"),
+    "save_total_limit": (1, None, (True, True), (None,), ">= 1 or null (keep every checkpoint)"),
+    "seed": (0, 2**32 - 1, (True, True), (), "in [0, 2**32 - 1]"),
+    "data_seed": (0, 2**32 - 1, (True, True), (None,), "in [0, 2**32 - 1] or null"),
+    "dataloader_num_workers": (0, None, (True, True), (), ">= 0"),
+    "dataloader_prefetch_factor": (1, None, (True, True), (None,), ">= 1 or null"),
+    "ddp_bucket_cap_mb": (1, None, (True, True), (None,), ">= 1 or null"),
+    "ddp_timeout": (1, None, (True, True), (), ">= 1 (seconds)"),
+    "generation_max_length": (1, None, (True, True), (None,), ">= 1 or null"),
+    "generation_num_beams": (1, None, (True, True), (None,), ">= 1 or null"),
+}
+
+
+def _in_range(name: str, value) -> bool:
+    low, high, (low_ok, high_ok), allowed, _ = _RANGES[name]
+    if value in allowed and (value is None or not isinstance(value, bool)):
+        return True
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return False
+    above = value >= low if low_ok else value > low
+    below = high is None or (value <= high if high_ok else value < high)
+    return above and below and not math.isinf(value)
+
+
 def check_training_arguments(arguments: dict, where: str = "training") -> None:
-    """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field or a value of the wrong
-    type in one of its scalar fields (integers, numbers, booleans); the fields that take strings are transformers'."""
+    """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field, a value of the wrong
+    type in one of its scalar fields (integers, numbers, booleans; the fields that take strings are transformers'),
+    or a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...)."""
     from ..errors import FAT5Error
 
     fields = typing.get_type_hints(FAT5TrainingArguments)
@@ -92,6 +152,9 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
         if isinstance(value, str) and float in kinds and "." not in value and _parses_as_number(value):
             message += " (YAML reads a number without a dot, like 3e-4, as text: write 3.0e-4)"
         raise FAT5Error(message)
+    for name, value in arguments.items():
+        if name in _RANGES and not _in_range(name, value):
+            raise FAT5Error(f"{where}.{name} must be {_RANGES[name][4]}, got {value!r}")
     if arguments.get("report_to") not in (None, "none", ["none"]):
         from transformers.integrations import get_reporting_integration_callbacks
 
@@ -100,6 +163,96 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
             get_reporting_integration_callbacks(arguments["report_to"])
         except ValueError as error:
             raise FAT5Error(f"{where}.report_to: {error}") from None
+
+
+def checkpoint_problem(folder) -> str | None:
+    """Why ``folder`` is no complete Trainer checkpoint (a kill or a full disk left it half-written, or a file was
+    damaged since), or None when it is complete: a readable trainer_state.json, weights whose safetensors headers
+    match their files' sizes (every shard an index names), and whole zip archives for the torch.save'd states."""
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    try:
+        json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
+    except FileNotFoundError:
+        return "no trainer_state.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer_state.json is damaged"
+    weights = []
+    for index_name in ("model.safetensors.index.json", "adapter_model.safetensors.index.json"):
+        if (folder / index_name).is_file():
+            try:
+                shards = set(json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return f"{index_name} is damaged"
+            weights += [folder / shard for shard in sorted(shards)]
+    weights += [folder / name for name in ("model.safetensors", "adapter_model.safetensors") if (folder / name).is_file()]
+    if not weights and not (folder / "pytorch_model.bin").is_file():
+        return "no model weights"
+    for path in weights:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except FileNotFoundError:
+            return f"{path.name} is missing"
+        except (SafetensorError, OSError) as error:
+            return f"{path.name} is damaged ({error})"
+    for path in sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth")) + sorted(folder.glob("*.bin")):
+        if not zipfile.is_zipfile(path):
+            return f"{path.name} is damaged (not a whole torch.save archive)"
+    return None
+
+
+def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
+    """The highest-numbered complete ``checkpoint-N`` of ``run_dir`` (None when there is none), and one line for
+    each newer one skipped, saying why."""
+    run_dir = Path(run_dir)
+    found = []
+    if run_dir.is_dir():
+        for path in run_dir.iterdir():
+            match = _CHECKPOINT_NAME.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+    skipped = []
+    for _, path in sorted(found, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
+
+
+def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | None:
+    """The newest complete checkpoint of ``output_dir``, saying (with ``announce``: the main process) which and why
+    newer ones are skipped; None (a run that starts over) when there is none."""
+    checkpoint, skipped = newest_complete_checkpoint(output_dir)
+    if not announce:
+        return checkpoint
+    for reason in skipped:
+        print(f"--resume: skipping the incomplete {reason}", flush=True)
+    if checkpoint is None:
+        print(f"--resume: no complete checkpoint in {output_dir}: starting from step 0", flush=True)
+    else:
+        print(f"--resume: continuing from {checkpoint}", flush=True)
+    return checkpoint
+
+
+def resume_hint(command: str, output_dir) -> str:
+    """What to run to continue an interrupted job whose output folder is ``output_dir``."""
+    checkpoint, _ = newest_complete_checkpoint(output_dir)
+    if checkpoint is None:
+        return f"no checkpoint was written yet; `{command} --overwrite` starts over"
+    return f"`{command} --resume` continues from {checkpoint}"
+
+
+def _fsync_files(folder: Path) -> None:
+    """Flush the files of ``folder`` to disk, so that after a power cut the renamed checkpoint holds its data."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
 
 
 def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
@@ -176,6 +329,7 @@ class FAT5Trainer(Seq2SeqTrainer):
     """
 
     def __init__(self, *args, train_batch_sampler=None, eval_batch_sampler=None, **kwargs):
+        self._checkpoint_run_dir = None
         self.train_batch_sampler = train_batch_sampler
         self.eval_batch_sampler = eval_batch_sampler
         super().__init__(*args, **kwargs)
@@ -186,6 +340,91 @@ class FAT5Trainer(Seq2SeqTrainer):
             if self._smoothed_loss_config is not None:
                 self.label_smoother = None
         self._reset_window()
+
+    def _get_output_dir(self, trial) -> str:
+        # while _save_checkpoint writes, the Trainer's checkpoint-N folder is made in the staging folder
+        if self._checkpoint_run_dir is not None:
+            return str(self._checkpoint_run_dir)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written whole or not at all: every file goes to
+        ``.checkpoint-staging/checkpoint-N`` in the run folder, which is renamed to ``checkpoint-N`` once every
+        process has written its part; older checkpoints beyond ``save_total_limit`` are renamed away before they are
+        deleted. A kill at any moment leaves the previous complete checkpoint or the new one, and a full disk says
+        so in one line and keeps the previous one."""
+        run_dir = Path(self._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / CHECKPOINT_STAGING
+        if self.args.should_save:
+            # what a killed run left half-written
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_run_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                best = self.state.best_model_checkpoint
+                if best is not None and Path(best).parent == staging:
+                    self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+                    self.state.save_to_json(str(staging / name / "trainer_state.json"))
+                _fsync_files(staging / name)
+                if (run_dir / name).exists():
+                    # a checkpoint of the same step (a run resumed from an older one): moved aside, not deleted first
+                    os.replace(run_dir / name, staging / f"replaced-{name}")
+                os.replace(staging / name, run_dir / name)
+                self._rotate_complete_checkpoints(run_dir, staging)
+                shutil.rmtree(staging, ignore_errors=True)
+        except Exception as error:
+            if not is_disk_full(error, staging):
+                raise
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+            kept, _ = newest_complete_checkpoint(run_dir)
+            raise disk_full_error(run_dir, f"{name} was not written; " + (
+                f"{kept.name} is the newest complete checkpoint" if kept else "no complete checkpoint is kept"
+            )) from None
+        finally:
+            self._checkpoint_run_dir = None
+        self.accelerator.wait_for_everyone()
+
+    def _rotate_complete_checkpoints(self, run_dir: Path, staging: Path) -> None:
+        """transformers' rotation (keep ``save_total_limit``, always the newest and the best), by step, each old
+        checkpoint renamed into the staging folder before it is deleted, so that no half-deleted one remains."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sorted(
+            (int(match.group(1)), path) for path in run_dir.iterdir() if (match := _CHECKPOINT_NAME.match(path.name))
+        )
+        protected = {checkpoints[-1][1]}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(Path(self.state.best_model_checkpoint))
+        remaining = len(checkpoints)
+        for _, path in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if path not in protected:
+                staging.mkdir(exist_ok=True)
+                doomed = staging / f"deleting-{path.name}"
+                os.replace(path, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+                remaining -= 1
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # a checkpoint stores tied weights once (shared.weight): their other names are missing by design
+        model = self.accelerator.unwrap_model(self.model)
+        names_of = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            names_of.setdefault(id(tensor), []).append(name)
+        missing = set(load_result.missing_keys)
+        tied = {name for names in names_of.values() if not set(names) <= missing for name in names}
+        load_result = types.SimpleNamespace(
+            missing_keys=[key for key in load_result.missing_keys if key not in tied],
+            unexpected_keys=list(load_result.unexpected_keys),
+        )
+        super()._issue_warnings_after_load(load_result)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         arguments = super()._build_accelerator_args(**kwargs)
@@ -198,11 +437,11 @@ class FAT5Trainer(Seq2SeqTrainer):
     def _batch_loader(self, dataset, batch_sampler) -> DataLoader:
         from .packing import PlannedDataset
 
-        options = dict(
-            collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
-        )
+        options = {
+            "collate_fn": self.data_collator,
+            "num_workers": self.args.dataloader_num_workers,
+            "pin_memory": self.args.dataloader_pin_memory and torch.cuda.is_available(),
+        }
         if batch_sampler is not None:
             loader = DataLoader(PlannedDataset(dataset), batch_sampler=batch_sampler, **options)
         else:

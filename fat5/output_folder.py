@@ -1,0 +1,189 @@
+"""Where FAT5's commands write: one rule for ``--overwrite``, folders that appear whole or not at all, a full disk
+said in one line.
+
+The rule, for `fat5 convert`, `export-hf`, `bundle`, `pretrain` and `finetune` alike: ``--overwrite`` replaces
+exactly the output folder's own content, never a folder that holds the input (or the current directory), never
+anything above it.
+"""
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import FAT5Error
+
+# below this much free space, a write that failed without an errno (torch's zip writer says only "unexpected pos")
+# is taken for a full disk
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    return folder == path or folder in path.parents
+
+
+def check_output_folder(out, *, overwrite: bool = False, inputs: Iterable = (), inside_inputs_ok: bool = False,
+                        non_empty_ok: bool = False) -> Path:
+    """Raise FAT5Error unless ``out`` may become (or be replaced as) an output folder; return it absolute.
+
+    ``out`` must not be a file, nor lie inside any of ``inputs`` (the paths the job reads), unless
+    ``inside_inputs_ok``; a non-empty ``out`` needs ``overwrite`` (or ``non_empty_ok``, for a job that decides itself
+    what it may add to a folder), and with ``overwrite`` it must not hold an input or the current directory, nor be
+    the home folder or the file system's root.
+    """
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise FAT5Error(f"{out} exists and is not a folder")
+    real = out.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).expanduser().resolve()
+        if overwrite and _holds(real, source):
+            raise FAT5Error(f"the output folder {out} holds the input {source}: choose a folder beside it")
+        if _holds(source, real) and not inside_inputs_ok:
+            raise FAT5Error(f"the output folder {out} lies inside the input {source}: choose a folder outside it")
+    if overwrite and (real == Path(real.anchor) or real == Path.home().resolve()):
+        raise FAT5Error(f"{out} is {'the root folder' if real == Path(real.anchor) else 'the home folder'}: "
+                        "write to a folder of its own")
+    if overwrite and _holds(real, Path.cwd().resolve()) and out.is_dir() and any(out.iterdir()):
+        raise FAT5Error(f"the output folder {out} holds the current directory: write to a folder of its own")
+    if out.is_dir() and any(out.iterdir()) and not (overwrite or non_empty_ok):
+        raise FAT5Error(f"{out} already exists and is not empty (pass --overwrite to replace its content)")
+    return out
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    return out.parent / f".{out.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def clear_folder(out) -> None:
+    """Empty ``out`` (checked with `check_output_folder` first): its content goes, the folder stays."""
+    out = Path(out)
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        return
+    previous = _sibling(out, "old")
+    out.rename(previous)
+    out.mkdir()
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def is_disk_full(error: BaseException, folder) -> bool:
+    """Whether ``error``, raised while writing into ``folder``, comes from a full disk (or quota)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return True
+    # torch.save's zip writer reports a short write without its errno
+    if isinstance(error, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text):
+        return free_bytes(folder) < _NEARLY_FULL_BYTES
+    return False
+
+
+def free_bytes(folder) -> int:
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_full_error(folder, what: str) -> FAT5Error:
+    """The one line a full disk gets: where, how much is free, and what was (not) kept."""
+    path = Path(folder).absolute()
+    return FAT5Error(f"the disk holding {path} is full ({free_bytes(path) / 2**20:.1f} MiB free): {what}")
+
+
+@contextlib.contextmanager
+def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = (), inside_inputs_ok: bool = False
+                     ) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out`` that becomes ``out`` only if the block completes.
+
+    On any exception the temporary folder is removed and ``out`` is left as it was (absent, or untouched when it
+    existed); a full disk becomes one FAT5Error line. ``out`` is checked first by `check_output_folder`.
+    """
+    out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=inside_inputs_ok)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FAT5Error(f"cannot create the parent folder of {out}: {error}") from None
+    temporary = _sibling(out, "tmp")
+    try:
+        temporary.mkdir()
+    except OSError as error:  # a read-only or special file system: the user's choice of OUT, not a bug
+        raise FAT5Error(f"cannot create a folder beside {out}: {error}") from None
+    try:
+        try:
+            yield temporary
+        except Exception as error:
+            if is_disk_full(error, temporary):
+                kept = f"{out} was left as it was" if out.exists() else f"nothing was written to {out}"
+                raise disk_full_error(out.parent, kept) from None
+            raise
+        if out.exists():
+            previous = _sibling(out, "old")
+            out.rename(previous)
+            temporary.rename(out)
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            temporary.rename(out)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+# what makes a folder hold a model (or a PEFT adapter) that a training job would overwrite
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "adapter_config.json")
+
+
+def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, inputs: Iterable = (),
+                       main_process: bool = True) -> Path:
+    """Check the output folder of a training job (`fat5 pretrain`, `fat5 finetune`) and return it absolute.
+
+    The job writes its final model at the folder's top and its checkpoints in ``checkpoint-*`` beside it. Without
+    ``overwrite`` or ``resume``, a folder that holds checkpoints or a model is refused, naming the flag that
+    continues or replaces it; with ``overwrite`` its content is removed (by the main process) before anything runs.
+    """
+    from .trainer.trainer import newest_complete_checkpoint
+
+    if overwrite and resume:
+        raise FAT5Error("--overwrite starts the run over and --resume continues it: pass one of them")
+    out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=True, non_empty_ok=True)
+    if overwrite:
+        if main_process and out.is_dir() and any(out.iterdir()):
+            print(f"--overwrite: removing the content of {out}", flush=True)
+            clear_folder(out)
+        return out
+    if resume or not out.is_dir():
+        return out
+    if any(path.is_dir() for path in out.glob("checkpoint-*")):
+        newest, _ = newest_complete_checkpoint(out)
+        continues = f"continue from {newest.name}" if newest else "continue (no complete checkpoint: it starts over)"
+        raise FAT5Error(f"{out} holds the checkpoints of an earlier run: pass --resume to {continues}, or --overwrite "
+                        "to start over")
+    if any((out / name).is_file() for name in MODEL_FILES):
+        raise FAT5Error(f"{out} already holds a model: pass --overwrite to replace it, or choose another output folder")
+    return out
+
+
+def move_into(temporary: Path, out: Path) -> None:
+    """Move the files of the finished folder ``temporary`` to the top of ``out`` (same disk), replacing a model
+    already there: its files go first and config.json comes last, so a kill between leaves a folder without
+    config.json (no model, and the checkpoints still there), never one with a config and the wrong weights."""
+    for name in MODEL_FILES:
+        if (out / name).is_file():
+            (out / name).unlink()
+    for path in out.glob("model-*.safetensors"):
+        path.unlink()
+    names = sorted((path.name for path in temporary.iterdir()), key=lambda name: name == "config.json")
+    for name in names:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(temporary / name, target)
+    temporary.rmdir()
