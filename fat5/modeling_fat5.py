@@ -713,13 +713,11 @@ class FAT5PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FAT5Block"]
     _supports_cache_class = True
     _can_compile_fullgraph = False
-    # the names that may share the embedding's storage (what save_pretrained dedups); which ones actually do is
-    # decided per model by get_expanded_tied_weights_keys
-    _tied_weights_keys = {
-        "encoder.embed_tokens.weight": "shared.weight",
-        "decoder.embed_tokens.weight": "shared.weight",
-        "lm_head.weight": "shared.weight",
-    }
+    # T5's: fp16 checkpoints of T5 v1.1 / FLAN-T5 overflow in the feed-forward's output projection unless it stays fp32
+    _keep_in_fp32_modules = ["wo"]
+    # each class names the weights that may share the embedding's storage (what save_pretrained dedups) among the
+    # modules it has; which ones actually do is decided per model by get_expanded_tied_weights_keys
+    _tied_weights_keys = {}
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """FAT5's attention is its own kernels (``config.attention_backend``), never one of transformers' attention
@@ -746,6 +744,17 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if self.config.tie_word_embeddings and isinstance(getattr(self, "lm_head", None), nn.Linear):
             tied["lm_head.weight"] = "shared.weight"
         return tied
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers marks the tied targets as loaded so that they are not drawn for nothing, and for custom code
+        also drops from the missing keys every parameter so marked. FAT5's stacks hold the embedding module itself,
+        so its target and source are one parameter: marked, a checkpoint without the embedding would load with an
+        undrawn one and report nothing missing. Only a target that is a parameter of its own is marked here; the
+        tying that follows then reports exactly T5's missing keys."""
+        for target, source in self.all_tied_weights_keys.items():
+            target_parameter = self.get_parameter(target)
+            if target_parameter is not self.get_parameter(source):
+                target_parameter._is_hf_initialized = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -839,8 +848,15 @@ class FAT5PreTrainedModel(PreTrainedModel):
         }
 
 
+_STACK_EMBEDDINGS = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+
+
 class FAT5Model(FAT5PreTrainedModel):
     """The bare encoder-decoder, returning the decoder's last hidden states."""
+
+    _tied_weights_keys = _STACK_EMBEDDINGS
+    # a checkpoint of the full model loads quietly without its head, as in T5Model
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -967,6 +983,8 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
     the decoding step once into CUDA graphs and replays it for every new token.
     """
+
+    _tied_weights_keys = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1106,6 +1124,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
 class FAT5EncoderModel(FAT5PreTrainedModel):
     """The encoder alone (embeddings, blocks, final norm): sentence embeddings and encoder task heads."""
 
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
@@ -1151,6 +1170,7 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
 class _FAT5EncoderWithHead(FAT5PreTrainedModel):
     """An encoder task head: the encoder's parameters keep the full model's names, so a converted checkpoint loads."""
 
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):

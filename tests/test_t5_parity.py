@@ -1,0 +1,93 @@
+"""Everyday transformers calls give on FAT5 what they give on transformers' own T5 (issue: "whatever a transformers
+user does with T5 works the same with FAT5"): loading reports, tied-weight declarations, the output tuple, fp16,
+the stacks called on their own, masks, attention probabilities, task heads, PEFT defaults and pipelines."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_modeling import TINY
+from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+
+from fat5 import (
+    FAT5Config,
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALL_CLASSES = [
+    FAT5Model, FAT5ForConditionalGeneration, FAT5EncoderModel, FAT5ForSequenceClassification,
+    FAT5ForTokenClassification, FAT5ForQuestionAnswering,
+]
+T5_OF = {FAT5Model: T5Model, FAT5ForConditionalGeneration: T5ForConditionalGeneration, FAT5EncoderModel: T5EncoderModel}
+
+
+def tiny_config(**overrides):
+    return FAT5Config(**{**TINY, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+                         "attention_backend": "reference", **overrides})
+
+
+def drop_embeddings(folder):
+    """Rewrite a saved model without its token embedding (what a truncated or hand-edited checkpoint looks like)."""
+    weights = load_file(folder / "model.safetensors")
+    kept = {name: tensor for name, tensor in weights.items() if "shared" not in name and "embed_tokens" not in name}
+    assert len(kept) < len(weights)
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+# 1. a checkpoint without the token embedding is reported, as T5 reports it
+
+
+@pytest.fixture(scope="module")
+def checkpoints_without_embeddings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("no_embeddings")
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(root / "fat5")
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="gated-gelu")).save_pretrained(root / "t5")
+    for folder in ("fat5", "t5"):
+        drop_embeddings(root / folder)
+    return root
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_missing_embeddings_are_reported_as_t5_reports_them(checkpoints_without_embeddings, model_class):
+    model, info = model_class.from_pretrained(checkpoints_without_embeddings / "fat5", output_loading_info=True)
+    embedding_keys = {"shared.weight", "encoder.embed_tokens.weight"}
+    if hasattr(model, "decoder"):
+        embedding_keys.add("decoder.embed_tokens.weight")
+    assert embedding_keys <= set(info["missing_keys"])
+    if model_class in T5_OF:
+        _, t5_info = T5_OF[model_class].from_pretrained(checkpoints_without_embeddings / "t5", output_loading_info=True)
+        assert {k for k in info["missing_keys"] if k in embedding_keys} == {
+            k for k in t5_info["missing_keys"] if k in embedding_keys
+        }
+    # the embedding is drawn as a fresh model's is (T5's N(0, initializer_factor)), not left as uninitialised memory
+    weight = model.shared.weight
+    assert torch.isfinite(weight).all() and 0.8 < weight.std().item() < 1.2
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_a_complete_checkpoint_loads_quietly(tmp_path, model_class):
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(tmp_path)
+    _, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    head_keys = {"classification_head", "classifier", "qa_outputs"}
+    assert not [k for k in info["missing_keys"] if k.split(".")[0] not in head_keys]
+    assert not info["unexpected_keys"]  # item 23.11: AutoModel on a seq2seq checkpoint ignores lm_head quietly
+
+
+# 2. each class declares only the tied weights that it has
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_weights_keys_name_parameters_of_the_class(model_class, tied):
+    model = model_class(tiny_config(tie_word_embeddings=tied))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    declared = model_class._tied_weights_keys
+    assert declared and all(target in parameters and source in parameters for target, source in declared.items())
+    assert set(model.all_tied_weights_keys) <= set(declared)
