@@ -668,14 +668,15 @@ class FAT5Stack(nn.Module):
 
 @dataclass
 class FAT5Seq2SeqLMOutput(Seq2SeqLMOutput):
-    """``Seq2SeqLMOutput`` with the two parts of the loss: ``loss = ce_loss + z_loss``."""
+    """``Seq2SeqLMOutput`` with the two parts of the loss, ``loss = ce_loss + z_loss``, set only when the forward is
+    asked for them (``return_loss_parts=True``): otherwise the output holds T5's fields, so that its length, its keys
+    and its positions are T5's."""
 
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
 
     def to_tuple(self) -> tuple:
-        # T5's tuple (``return_dict=False``): the parts of the loss are named fields only, so that every position of
-        # the tuple holds what it holds in T5's
+        # T5's tuple (``return_dict=False``) even when the parts were asked for: they are named fields only
         return tuple(value for name, value in self.items() if name not in ("ce_loss", "z_loss"))
 
 
@@ -976,8 +977,9 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
     examples per row, numbered 1..n in order, then 0 on the padding after the last; segment ``s`` of the decoder
     row is the target of segment ``s`` of the encoder row; the decoder inputs must then be given, shifted per
-    segment) and ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
-    the loss is their sum over it).
+    segment), ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
+    the loss is their sum over it) and ``return_loss_parts`` (the output then holds ``ce_loss`` and ``z_loss`` too,
+    whose sum is ``loss``; FAT5Trainer asks for them to log them).
 
     ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
@@ -1033,6 +1035,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         return_dict=None,
         num_items_in_batch=None,
         cache=None,
+        return_loss_parts=False,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1066,8 +1069,8 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             decoder_hidden_states=decoder_outputs.hidden_states,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-            ce_loss=ce_loss,
-            z_loss=z_loss,
+            ce_loss=ce_loss if return_loss_parts else None,
+            z_loss=z_loss if return_loss_parts else None,
         )
         return _as_requested(output, return_dict, self.config)
 

@@ -90,7 +90,7 @@ def test_logits_and_loss_match_transformers(family):
     input_ids, attention_mask, labels = padded_batch()
     with torch.no_grad():
         expected = hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        actual = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        actual = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_loss_parts=True)
     assert relative_error(actual.logits, expected.logits) < 1e-5
     assert relative_error(actual.encoder_last_hidden_state, expected.encoder_last_hidden_state) < 1e-5
     assert abs(actual.loss.item() - expected.loss.item()) < 1e-5 * abs(expected.loss.item())
@@ -203,7 +203,7 @@ def test_z_loss_is_reported_apart_and_added():
     model = FAT5ForConditionalGeneration(config).eval()
     input_ids, attention_mask, labels = padded_batch()
     with torch.no_grad():
-        output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_loss_parts=True)
     logits = output.logits.view(-1, TINY["vocab_size"])
     kept = labels.view(-1) != -100
     expected_z = 1e-2 * torch.logsumexp(logits[kept], dim=-1).pow(2).mean()

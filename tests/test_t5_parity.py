@@ -5,7 +5,7 @@ the stacks called on their own, masks, attention probabilities, task heads, PEFT
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_modeling import TINY
+from test_modeling import TINY, fat5_from_hf, make_hf, padded_batch, relative_error
 from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 from fat5 import (
@@ -91,3 +91,55 @@ def test_tied_weights_keys_name_parameters_of_the_class(model_class, tied):
     declared = model_class._tied_weights_keys
     assert declared and all(target in parameters and source in parameters for target, source in declared.items())
     assert set(model.all_tied_weights_keys) <= set(declared)
+
+
+# 5. the output's length, keys and positions are T5's; the loss's parts come when asked
+
+
+@pytest.mark.parametrize("output_hidden_states", [False, True])
+def test_output_fields_and_positions_are_t5s(output_hidden_states):
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, labels = padded_batch()
+    arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                 "output_hidden_states": output_hidden_states}
+    with torch.no_grad():
+        expected, actual = hf(**arguments), model(**arguments)
+        parts = model(**arguments, return_loss_parts=True)
+    assert len(actual) == len(expected) and list(actual.keys()) == list(expected.keys())
+    for position in range(len(expected)):
+        assert type(actual[position]) is type(expected[position])
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-4, atol=1e-5)  # logits, where T5 keeps them
+    torch.testing.assert_close(parts.ce_loss + parts.z_loss, parts.loss)
+    assert len(parts.to_tuple()) == len(expected.to_tuple())
+
+
+# 7. fp16: the feed-forward's output projection stays fp32, as in T5
+
+
+def test_fp16_keeps_wo_in_fp32_and_stays_finite_where_fp16_overflows(tmp_path):
+    hf = make_hf("t5v1.1")
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if name.endswith("DenseReluDense.wo.weight"):
+                # feed-forward outputs beyond fp16's 65504, as T5 v1.1 / FLAN-T5 activations grow
+                parameter.mul_(3e4)
+    fat5_from_hf(hf, "t5v1.1").save_pretrained(tmp_path / "fat5")
+    hf.save_pretrained(tmp_path / "t5")
+    input_ids, attention_mask, labels = padded_batch()
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    with torch.no_grad():
+        reference = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "fat5").eval()(**batch)
+        half = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "fat5", dtype=torch.float16).eval()
+        t5_half = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch.float16).eval()
+        assert half.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+        assert half.shared.weight.dtype == torch.float16
+        actual, expected = half(**batch), t5_half(**batch)
+        assert torch.isfinite(actual.logits).all()
+        assert relative_error(actual.logits, reference.logits) < 1e-2
+        assert relative_error(actual.logits, expected.logits) < 5e-3
+        # the case is one that fp16 cannot hold: with wo in fp16 too, the logits are far off
+        for module in half.modules():
+            if hasattr(module, "wo"):
+                module.wo.half()
+        assert not relative_error(half(**batch).logits, reference.logits) < 5e-2
