@@ -36,6 +36,12 @@ class FAT5Config(PretrainedConfig):
 
     FAT5's own fields:
 
+        encoder_only_heads (`bool`, defaults to `False`): `FAT5ForSequenceClassification` and
+            `FAT5ForQuestionAnswering` run the encoder alone (classification of the mean of the unpadded tokens'
+            states; answer span over the input tokens) instead of T5's encoder-decoder heads (the decoder's state at
+            the last EOS; span over the decoder positions). About half the compute and no decoder weights; a
+            converted `T5ForSequenceClassification` / `T5ForQuestionAnswering` needs `False`.
+
         position_encoding (`str`, defaults to `"t5"`): `"t5"` (the bucketed relative bias table, computed inside the
             attention kernel), `"alibi"` (fixed per-head linear distance penalties), `"rope"` (rotary embedding of
             queries and keys), `"fire"` (a learned MLP of the normalised log-distance, passed as a full bias) or
@@ -99,6 +105,7 @@ class FAT5Config(PretrainedConfig):
         tie_word_embeddings: bool = True,
         scale_decoder_outputs: bool | None = None,
         classifier_dropout: float = 0.0,
+        encoder_only_heads: bool = False,
         is_encoder_decoder: bool = True,
         use_cache: bool = True,
         pad_token_id: int = 0,
@@ -136,6 +143,7 @@ class FAT5Config(PretrainedConfig):
         self.feed_forward_proj = feed_forward_proj
         self.scale_decoder_outputs = tie_word_embeddings if scale_decoder_outputs is None else scale_decoder_outputs
         self.classifier_dropout = classifier_dropout
+        self.encoder_only_heads = encoder_only_heads
         self.use_cache = use_cache
         self.position_encoding = position_encoding
         self.position_bias_per_layer = position_bias_per_layer

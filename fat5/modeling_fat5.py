@@ -23,6 +23,8 @@ from transformers.modeling_outputs import (
     QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
+    Seq2SeqQuestionAnsweringModelOutput,
+    Seq2SeqSequenceClassifierOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -741,6 +743,9 @@ class FAT5PreTrainedModel(PreTrainedModel):
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # The stacks use the model's embedding module itself, always; lm_head shares its weight only when the config
         # says so. (transformers' default ties nothing at all when tie_word_embeddings is False, FLAN-T5's case.)
+        if all_submodels:
+            # each FAT5 model inside this one (a sequence classifier's `transformer`) answers for itself, prefixed
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
         tied = {f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder") if hasattr(self, stack)}
         if self.config.tie_word_embeddings and isinstance(getattr(self, "lm_head", None), nn.Linear):
             tied["lm_head.weight"] = "shared.weight"
@@ -1214,36 +1219,142 @@ class FAT5ClassificationHead(nn.Module):
         return self.out_proj(self.dropout(hidden_states))
 
 
-class FAT5ForSequenceClassification(_FAT5EncoderWithHead):
-    """Encoder + mean pooling over the unpadded tokens + classification head (regression when num_labels == 1)."""
+def _refuse_decoder_arguments(model_name: str, arguments: dict) -> None:
+    """An encoder-only head has no decoder: decoder arguments are refused by name rather than ignored."""
+    given = sorted(name for name, value in arguments.items() if value is not None)
+    if given:
+        raise ValueError(
+            f"{model_name} was built with config.encoder_only_heads=True (the encoder alone), so it cannot use "
+            f"{', '.join(given)}; T5's encoder-decoder head is config.encoder_only_heads=False"
+        )
+
+
+def _decoder_inputs_of(model, input_ids, decoder_input_ids, decoder_inputs_embeds):
+    """T5's heads decode the input shifted right when no decoder inputs are given."""
+    if decoder_input_ids is None and decoder_inputs_embeds is None:
+        if input_ids is None:
+            raise ValueError(
+                f"{type(model).__name__}: without decoder_input_ids or decoder_inputs_embeds the decoder reads "
+                "input_ids shifted right, so input_ids must be given"
+            )
+        return model._shift_right(input_ids)
+    return decoder_input_ids
+
+
+class FAT5ForSequenceClassification(FAT5PreTrainedModel):
+    """T5's sequence classification: the encoder-decoder reads the input (the decoder its copy shifted right) and the
+    head classifies the decoder's state at the last EOS token (regression when num_labels == 1); every input row
+    must hold the same number of EOS tokens, at least one. The parameters keep T5's names (``transformer.``), so a
+    converted ``T5ForSequenceClassification`` loads as it is.
+
+    With ``config.encoder_only_heads`` the encoder alone reads the input and the head classifies the mean of its
+    unpadded tokens' states; the parameters then keep the full model's names (``encoder.``)."""
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
+        if config.encoder_only_heads:
+            self.shared = nn.Embedding(config.vocab_size, config.d_model)
+            self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
+            self._keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+        else:
+            self.transformer = FAT5Model(config)
+            self._keys_to_ignore_on_load_unexpected = [r"lm_head\."]
         self.classification_head = FAT5ClassificationHead(config)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared if self.config.encoder_only_heads else self.transformer.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        if self.config.encoder_only_heads:
+            self.shared = self.encoder.embed_tokens = new_embeddings
+        else:
+            self.transformer.set_input_embeddings(new_embeddings)
+
+    def get_encoder(self):
+        return self.encoder if self.config.encoder_only_heads else self.transformer.encoder
 
     def forward(
         self,
         input_ids=None,
         attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
         inputs_embeds=None,
+        decoder_inputs_embeds=None,
         labels=None,
+        use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         **kwargs,
-    ) -> SequenceClassifierOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
-        hidden_states = outputs.last_hidden_state
-        if attention_mask is None:
-            pooled = hidden_states.mean(dim=1)
-        else:
-            weights = attention_mask.to(hidden_states.dtype)[..., None]
-            pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
-        logits = self.classification_head(pooled)
+    ) -> Seq2SeqSequenceClassifierOutput | SequenceClassifierOutput:
+        _check_supported_arguments(self.config, kwargs)
+        if self.config.encoder_only_heads:
+            _refuse_decoder_arguments(type(self).__name__, {
+                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                "use_cache": use_cache,
+            })
+            outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+            )
+            hidden_states = outputs.last_hidden_state
+            if attention_mask is None:
+                pooled = hidden_states.mean(dim=1)
+            else:
+                weights = attention_mask.to(hidden_states.dtype)[..., None]
+                pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+            logits = self.classification_head(pooled)
+            loss = None
+            if labels is not None:
+                loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
+            output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+            return _as_requested(output, return_dict, self.config)
+
+        if input_ids is None:
+            raise ValueError(
+                f"{type(self).__name__} needs input_ids: it classifies the decoder's state at the input's last EOS "
+                "token (inputs_embeds alone do not say where that is), as T5ForSequenceClassification"
+            )
+        if labels is not None:
+            use_cache = False
+        outputs = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=_decoder_inputs_of(self, input_ids, decoder_input_ids, decoder_inputs_embeds),
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        sequence_output = outputs.last_hidden_state
+        eos_mask = input_ids.eq(self.config.eos_token_id).to(sequence_output.device)
+        eos_counts = eos_mask.sum(dim=1)
+        if eos_counts.min() < 1 or eos_counts.max() != eos_counts.min():
+            raise ValueError(
+                f"{type(self).__name__}: every input row must hold the same number of EOS tokens (id "
+                f"{self.config.eos_token_id}), at least one; the rows hold {eos_counts.tolist()}"
+            )
+        batch_size, _, hidden_size = sequence_output.shape
+        sentence_representation = sequence_output[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
+        logits = self.classification_head(sentence_representation)
         loss = None
         if labels is not None:
             loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = Seq2SeqSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+        )
         return _as_requested(output, return_dict, self.config)
 
 
@@ -1304,38 +1415,99 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
         return _as_requested(output, return_dict, self.config)
 
 
-class FAT5ForQuestionAnswering(_FAT5EncoderWithHead):
-    """Extractive question answering: start and end logits over the encoder's tokens."""
+class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
+    """Extractive question answering, T5's way: start and end logits over the decoder's positions, which read the
+    input shifted right (T5ForQuestionAnswering's names, so a converted one loads as it is). With
+    ``config.encoder_only_heads``, over the encoder's tokens, with no decoder."""
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        if config.encoder_only_heads:
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
+            self._keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+        else:
+            self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+            self._tied_weights_keys = dict(_STACK_EMBEDDINGS)
+            self._keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
         self.qa_outputs = nn.Linear(config.d_model, 2)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = self.encoder.embed_tokens = new_embeddings
+        if hasattr(self, "decoder"):
+            self.decoder.embed_tokens = new_embeddings
+
+    def get_encoder(self):
+        return self.encoder
 
     def forward(
         self,
         input_ids=None,
         attention_mask=None,
-        inputs_embeds=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
         start_positions=None,
         end_positions=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         **kwargs,
-    ) -> QuestionAnsweringModelOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
-        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
+    ) -> Seq2SeqQuestionAnsweringModelOutput | QuestionAnsweringModelOutput:
+        _check_supported_arguments(self.config, kwargs)
+        if self.config.encoder_only_heads:
+            _refuse_decoder_arguments(type(self).__name__, {
+                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                "use_cache": use_cache,
+            })
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+            )
+            sequence_output, decoder_outputs = encoder_outputs.last_hidden_state, None
+        else:
+            if start_positions is not None and end_positions is not None:
+                use_cache = False
+            encoder_outputs, decoder_outputs = _encode_decode(
+                self, input_ids, attention_mask,
+                _decoder_inputs_of(self, input_ids, decoder_input_ids, decoder_inputs_embeds),
+                decoder_attention_mask, encoder_outputs, None, inputs_embeds, decoder_inputs_embeds, None, None,
+                use_cache, output_hidden_states,
+            )
+            sequence_output = decoder_outputs.last_hidden_state
+        start_logits, end_logits = self.qa_outputs(sequence_output).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
             ignored = start_logits.shape[1]
             start_loss = nn.functional.cross_entropy(
-                start_logits, start_positions.clamp(0, ignored), ignore_index=ignored
+                start_logits, start_positions.view(-1).clamp(0, ignored), ignore_index=ignored
             )
-            end_loss = nn.functional.cross_entropy(end_logits, end_positions.clamp(0, ignored), ignore_index=ignored)
+            end_loss = nn.functional.cross_entropy(
+                end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored
+            )
             loss = (start_loss + end_loss) / 2
-        output = QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
-        )
+        if decoder_outputs is None:
+            output = QuestionAnsweringModelOutput(
+                loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states
+            )
+        else:
+            output = Seq2SeqQuestionAnsweringModelOutput(
+                loss=loss,
+                start_logits=start_logits,
+                end_logits=end_logits,
+                **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
+                decoder_hidden_states=decoder_outputs.hidden_states,
+                encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                encoder_hidden_states=encoder_outputs.hidden_states,
+            )
         return _as_requested(output, return_dict, self.config)
 
 

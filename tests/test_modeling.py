@@ -537,9 +537,9 @@ def test_task_heads_through_the_auto_classes(tmp_path):
     ):
         for trust_remote_code in (False, True):
             head = auto_class.from_pretrained(tmp_path, trust_remote_code=trust_remote_code).eval()
-            assert type(head) is head_class and head.get_input_embeddings() is head.shared
+            assert type(head) is head_class and head.get_input_embeddings() is head.get_encoder().embed_tokens
             with torch.no_grad():
-                states = head.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+                states = head.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             torch.testing.assert_close(states, expected)
     start, end = torch.tensor([1, 0, 2]), torch.tensor([3, 6, 2])
     with torch.no_grad():

@@ -16,6 +16,7 @@ from fat5 import (
     FAT5ForSequenceClassification,
     FAT5ForTokenClassification,
     FAT5Model,
+    FAT5PreTrainedModel,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,9 +58,10 @@ def checkpoints_without_embeddings(tmp_path_factory):
 @pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
 def test_missing_embeddings_are_reported_as_t5_reports_them(checkpoints_without_embeddings, model_class):
     model, info = model_class.from_pretrained(checkpoints_without_embeddings / "fat5", output_loading_info=True)
-    embedding_keys = {"shared.weight", "encoder.embed_tokens.weight"}
-    if hasattr(model, "decoder"):
-        embedding_keys.add("decoder.embed_tokens.weight")
+    prefix = "transformer." if hasattr(model, "transformer") else ""  # T5ForSequenceClassification's layout
+    embedding_keys = {f"{prefix}shared.weight", f"{prefix}encoder.embed_tokens.weight"}
+    if hasattr(model, "decoder") or prefix:
+        embedding_keys.add(f"{prefix}decoder.embed_tokens.weight")
     assert embedding_keys <= set(info["missing_keys"])
     if model_class in T5_OF:
         _, t5_info = T5_OF[model_class].from_pretrained(checkpoints_without_embeddings / "t5", output_loading_info=True)
@@ -67,7 +69,7 @@ def test_missing_embeddings_are_reported_as_t5_reports_them(checkpoints_without_
             k for k in t5_info["missing_keys"] if k in embedding_keys
         }
     # the embedding is drawn as a fresh model's is (T5's N(0, initializer_factor)), not left as uninitialised memory
-    weight = model.shared.weight
+    weight = model.get_input_embeddings().weight
     assert torch.isfinite(weight).all() and 0.8 < weight.std().item() < 1.2
 
 
@@ -88,7 +90,10 @@ def test_a_complete_checkpoint_loads_quietly(tmp_path, model_class):
 def test_tied_weights_keys_name_parameters_of_the_class(model_class, tied):
     model = model_class(tiny_config(tie_word_embeddings=tied))
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    declared = model_class._tied_weights_keys
+    # transformers' own reading of the declarations: each (sub)model's, prefixed by where it sits
+    submodels = [(name, module) for name, module in model.named_modules() if isinstance(module, FAT5PreTrainedModel)]
+    declared = {f"{name}.{key}" if name else key: f"{name}.{value}" if name else value
+                for name, module in submodels for key, value in (module._tied_weights_keys or {}).items()}
     assert declared and all(target in parameters and source in parameters for target, source in declared.items())
     assert set(model.all_tied_weights_keys) <= set(declared)
 
@@ -143,3 +148,89 @@ def test_fp16_keeps_wo_in_fp32_and_stays_finite_where_fp16_overflows(tmp_path):
             if hasattr(module, "wo"):
                 module.wo.half()
         assert not relative_error(half(**batch).logits, reference.logits) < 5e-2
+
+
+# 8. sequence classification and question answering are T5's encoder-decoder heads; encoder-only is an option
+
+
+def head_pair(t5_class, fat5_class, family="t5v1.1", **config):
+    """A T5 head and the FAT5 head with its weights, loaded by name (the names are T5's on both sides)."""
+    torch.manual_seed(4)
+    t5_config = T5Config(**{**TINY, **config}, feed_forward_proj="gated-gelu" if family == "t5v1.1" else "relu")
+    t5 = t5_class(t5_config).eval()
+    fat5 = fat5_class(tiny_config(feed_forward_proj=t5_config.feed_forward_proj, **config)).eval()
+    missing, unexpected = fat5.load_state_dict(t5.state_dict(), strict=False)
+    assert not unexpected and not [key for key in missing if "embed_tokens" not in key], (missing, unexpected)
+    return t5, fat5
+
+
+def rows_with_one_eos(seed=2):
+    """Padded rows, each ending in one EOS (id 1) before its padding, as a tokenizer gives them."""
+    input_ids, attention_mask, _ = padded_batch(seed)
+    input_ids = input_ids.clamp(min=2).masked_fill(attention_mask == 0, 0)
+    input_ids[torch.arange(len(input_ids)), attention_mask.sum(1) - 1] = 1
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize(("num_labels", "labels"), [(3, torch.tensor([0, 2, 1])), (1, torch.tensor([0.5, -1.0, 2.0]))])
+def test_sequence_classification_is_t5s(num_labels, labels):
+    from transformers import T5ForSequenceClassification
+
+    t5, fat5 = head_pair(T5ForSequenceClassification, FAT5ForSequenceClassification, num_labels=num_labels)
+    input_ids, attention_mask = rows_with_one_eos()
+    with torch.no_grad():
+        expected = t5(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        actual = fat5(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert list(actual.keys()) == list(expected.keys())
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_question_answering_is_t5s():
+    from transformers import T5ForQuestionAnswering
+
+    t5, fat5 = head_pair(T5ForQuestionAnswering, FAT5ForQuestionAnswering, family="t5")
+    input_ids, attention_mask = rows_with_one_eos()
+    positions = {"start_positions": torch.tensor([1, 0, 3]), "end_positions": torch.tensor([2, 4, 3])}
+    with torch.no_grad():
+        expected = t5(input_ids=input_ids, attention_mask=attention_mask, **positions)
+        actual = fat5(input_ids=input_ids, attention_mask=attention_mask, **positions)
+        for name in ("start_logits", "end_logits", "loss"):
+            torch.testing.assert_close(getattr(actual, name), getattr(expected, name), rtol=1e-4, atol=1e-5)
+        expected, actual = t5(input_ids=input_ids, attention_mask=attention_mask), fat5(input_ids=input_ids,
+                                                                                         attention_mask=attention_mask)
+    assert list(actual.keys()) == list(expected.keys())
+
+
+@pytest.mark.parametrize("head_class", [FAT5ForSequenceClassification, FAT5ForQuestionAnswering],
+                         ids=lambda c: c.__name__)
+def test_heads_load_quietly_from_a_seq2seq_checkpoint_in_either_layout(tmp_path, head_class):
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(tmp_path)
+    for encoder_only in (False, True):
+        model, info = head_class.from_pretrained(tmp_path, encoder_only_heads=encoder_only, output_loading_info=True)
+        assert hasattr(model.get_input_embeddings(), "weight")
+        assert not info["unexpected_keys"]
+        assert {key.split(".")[0] for key in info["missing_keys"]} <= {"classification_head", "qa_outputs"}
+        assert any(".decoder." in f".{name}" for name, _ in model.named_parameters()) == (not encoder_only)
+        model.save_pretrained(tmp_path / f"head-{encoder_only}")
+        reloaded, info = head_class.from_pretrained(tmp_path / f"head-{encoder_only}", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        assert reloaded.config.encoder_only_heads == encoder_only
+
+
+@pytest.mark.parametrize("head_class", [FAT5ForSequenceClassification, FAT5ForQuestionAnswering],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("argument", ["decoder_input_ids", "decoder_attention_mask"])
+def test_encoder_only_heads_refuse_decoder_arguments(head_class, argument):
+    model = head_class(tiny_config(encoder_only_heads=True)).eval()
+    input_ids, attention_mask = rows_with_one_eos()
+    with pytest.raises(ValueError, match=f"encoder_only_heads=True.*{argument}"):
+        model(input_ids=input_ids, attention_mask=attention_mask, **{argument: attention_mask})
+
+
+def test_sequence_classification_refuses_rows_with_unequal_eos_counts():
+    model = FAT5ForSequenceClassification(tiny_config()).eval()
+    input_ids, attention_mask = rows_with_one_eos()
+    input_ids[0, 0] = 1
+    with pytest.raises(ValueError, match="same number of EOS"):
+        model(input_ids=input_ids, attention_mask=attention_mask)
