@@ -8,6 +8,7 @@ cross-entropy with z-loss.
 """
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -141,9 +142,14 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def _given_cache(cache, past_key_values):
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("give the KV cache once, as `cache` or as `past_key_values`, not both")
-    return cache if cache is not None else past_key_values
+    """The KV cache of a call that may name one twice. transformers' name, ``cache``, wins, as in T5, except while it
+    is still empty: PEFT's prefix tuning hands its prefix as ``past_key_values`` to every step of ``generate`` (it
+    takes each for the first, the cache being named ``cache`` now), next to generate's own cache, empty at the first
+    step. T5 reads the empty one there, so its generation ignores the prefix that its training used; FAT5 starts
+    from the prefix, and then goes on with the cache that grew from it."""
+    if cache is None or (past_key_values is not None and cache.get_seq_length() == 0):
+        return past_key_values if past_key_values is not None else cache
+    return cache
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -708,6 +714,18 @@ def _check_supported_arguments(config: FAT5Config, kwargs: dict) -> None:
         )
 
 
+def _register_with_peft() -> None:
+    """Give FAT5 T5's entries in PEFT's per-model defaults (LoRA's and IA3's target modules, prefix tuning's cache
+    layout...), so that ``LoraConfig(task_type="SEQ_2_SEQ_LM")`` without ``target_modules`` works as on T5: the
+    modules keep T5's names. Only where PEFT is imported already: importing it here would slow every load."""
+    constants = sys.modules.get("peft.utils.constants")
+    if constants is None:
+        return
+    for name, mapping in vars(constants).items():
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "t5" in mapping:
+            mapping.setdefault(FAT5Config.model_type, mapping["t5"])
+
+
 class FAT5PreTrainedModel(PreTrainedModel):
     config_class = FAT5Config
     config: FAT5Config
@@ -721,6 +739,10 @@ class FAT5PreTrainedModel(PreTrainedModel):
     # each class names the weights that may share the embedding's storage (what save_pretrained dedups) among the
     # modules it has; which ones actually do is decided per model by get_expanded_tied_weights_keys
     _tied_weights_keys = {}
+
+    def __init__(self, config: FAT5Config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        _register_with_peft()
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """FAT5's attention is its own kernels (``config.attention_backend``), never one of transformers' attention
@@ -947,10 +969,10 @@ def _encode_decode(
             hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
         )
     use_cache = model.config.use_cache if use_cache is None else use_cache
+    # use_cache=False makes no cache, but reads one that is given, as T5 does (PEFT's prefix tuning gives its prefix
+    # as a cache)
     if use_cache and past_key_values is None and decoder_segment_ids is None and not model.training:
         past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    if not use_cache:
-        past_key_values = None
     decoder_outputs = model.decoder(
         input_ids=decoder_input_ids,
         attention_mask=decoder_attention_mask,
