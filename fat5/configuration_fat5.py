@@ -1,5 +1,7 @@
 """FAT5 configuration: T5's fields, with their T5 meaning, plus the choices FAT5 adds."""
 
+import copy
+
 from transformers import PretrainedConfig
 
 POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
@@ -185,6 +187,17 @@ class FAT5Config(PretrainedConfig):
     @property
     def effective_attention_scale(self) -> float:
         return self.d_kv**-0.5 if self.attention_scale is None else float(self.attention_scale)
+
+    def get_text_config(self, decoder=None, encoder=None) -> "FAT5Config":
+        """The decoder's config (``decoder=True``: what ``generate`` sizes its KV caches from) counts the decoder's
+        blocks as its ``num_layers``: a decoder deeper than the encoder (T5-Efficient's "DL" models) would otherwise
+        get a cache with too few layers, and transformers' T5 fails there with an IndexError."""
+        config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder and config.num_decoder_layers != config.num_layers:
+            # transformers gives a copy already (the decoder's fields of a flat encoder-decoder config); never self
+            config = copy.deepcopy(config) if config is self else config
+            config.num_layers = config.num_decoder_layers
+        return config
 
     def to_dict(self) -> dict:
         output = super().to_dict()
