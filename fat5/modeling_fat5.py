@@ -599,13 +599,17 @@ class FAT5Stack(nn.Module):
         cache=None,
         layout=None,
         encoder_layout=None,
+        use_cache=None,
         **kwargs,
     ):
         """``layout`` / ``encoder_layout``: the TokenLayout of ``segment_ids`` / ``encoder_segment_ids`` when the
         caller has built it already (the seq2seq models build the encoder's once for both stacks: each build reads
-        two numbers back to the host)."""
+        two numbers back to the host). ``use_cache=True`` on the decoder called on its own starts a KV cache, returned
+        in the output, from which a later call continues (T5's stack does so; the models pass theirs)."""
         _check_supported_arguments(self.config, kwargs)
         past_key_values = _given_cache(cache, past_key_values)
+        if use_cache and self.is_decoder and past_key_values is None and segment_ids is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if (input_ids is None) == (inputs_embeds is None):
@@ -755,7 +759,8 @@ class FAT5PreTrainedModel(PreTrainedModel):
                     'FAT5 ignores attn_implementation="sdpa": its attention runs in its own fused kernels, chosen '
                     f"by config.attention_backend ({self.config.attention_backend!r})"
                 )
-            return "eager"
+            # the config keeps what was asked for, as T5's does (scripts read it back); both run the same kernels
+            return requested_attention or "eager"
         raise ValueError(
             f"attn_implementation={requested_attention!r} is not supported: FAT5's attention runs in its own fused "
             "kernels, chosen by config.attention_backend ('auto', 'triton' or 'reference'); leave attn_implementation "

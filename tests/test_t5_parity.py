@@ -234,3 +234,146 @@ def test_sequence_classification_refuses_rows_with_unequal_eos_counts():
     input_ids[0, 0] = 1
     with pytest.raises(ValueError, match="same number of EOS"):
         model(input_ids=input_ids, attention_mask=attention_mask)
+
+
+# 1, 9, 11 and the base model's quiet load, from a Hub bundle in a process that cannot import fat5
+
+BUNDLE_WITHOUT_FAT5 = r"""
+import importlib.abc, json, sys
+
+class BlockFat5(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fat5" or name.startswith("fat5."):
+            raise ImportError(f"fat5 is blocked in this process ({name})")
+        return None
+
+sys.meta_path.insert(0, BlockFat5())
+import peft, torch, transformers
+
+folder, no_embeddings, out_file = sys.argv[1:4]
+results = {}
+_, info = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+results["base_unexpected"] = sorted(info["unexpected_keys"])
+model, info = transformers.AutoModelForSeq2SeqLM.from_pretrained(no_embeddings, trust_remote_code=True,
+                                                                 output_loading_info=True)
+results["missing"] = sorted(info["missing_keys"])
+results["module"] = type(model).__module__
+lora = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_2_SEQ_LM"))
+results["lora_targets"] = sorted(lora.targeted_module_names)
+generator = transformers.pipeline("text-generation", model=folder, trust_remote_code=True)
+results["pipeline_model"] = type(generator.model).__module__
+results["generated"] = generator("w5 w17 w33", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+with open(out_file, "w") as handle:
+    json.dump(results, handle)
+"""
+
+
+def test_a_bundle_reports_missing_embeddings_takes_peft_defaults_and_serves_the_pipeline(tmp_path):
+    import json
+    import shutil
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from test_hf_api import word_tokenizer
+    from test_hub_upload import run_isolated
+
+    from fat5.hub_upload import bundle
+
+    model_dir = tmp_path / "model"
+    fat5_from_hf(make_hf("t5v1.1"), "t5v1.1").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    bundle(model_dir, tmp_path / "bundle", repo_id="someone/fat5-tiny", license="apache-2.0", validate=False)
+    shutil.copytree(tmp_path / "bundle", tmp_path / "no_embeddings")
+    drop_embeddings(tmp_path / "no_embeddings")
+    completed = run_isolated(BUNDLE_WITHOUT_FAT5, tmp_path / "bundle", tmp_path / "no_embeddings",
+                             tmp_path / "out.json", tmp=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = json.loads((tmp_path / "out.json").read_text())
+    assert remote["module"].startswith("transformers_modules.")
+    assert remote["pipeline_model"].startswith("transformers_modules.")
+    assert remote["base_unexpected"] == []
+    assert {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= set(remote["missing"])
+    local = FAT5ForConditionalGeneration.from_pretrained(model_dir)
+    assert remote["lora_targets"] == sorted(get_peft_model(local, LoraConfig(task_type="SEQ_2_SEQ_LM"))
+                                            .targeted_module_names)
+    generated = transformers.pipeline("text-generation", model=str(model_dir))("w5 w17 w33", max_new_tokens=4,
+                                                                             do_sample=False)
+    assert remote["generated"] == generated[0]["generated_text"]
+
+
+def test_text_generation_pipeline_serves_fat5_as_it_serves_t5(tmp_path):
+    import transformers
+    from test_hf_api import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    hf = make_hf("t5v1.1")
+    for name, model in (("t5", hf), ("fat5", fat5_from_hf(hf, "t5v1.1"))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    outputs = [transformers.pipeline("text-generation", model=str(tmp_path / name))(
+        ["w5 w17 w33", "w40 w4"], max_new_tokens=4, do_sample=False) for name in ("t5", "fat5")]
+    assert outputs[0] == outputs[1]
+
+
+# 3. the decoder stack on its own keeps a cache and continues from it, as T5's does
+
+
+def test_bare_decoder_stack_returns_a_cache_and_continues_from_it():
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch()
+    decoder_input_ids = torch.tensor([[0, 5, 9, 17]] * len(input_ids))
+    with torch.no_grad():
+        results = []
+        for stack_owner in (hf, model):
+            encoder_states = stack_owner.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
+            decoder = stack_owner.get_decoder()
+            common = {"encoder_hidden_states": encoder_states, "encoder_attention_mask": attention_mask}
+            full = decoder(input_ids=decoder_input_ids, **common)[0]
+            first = decoder(input_ids=decoder_input_ids[:, :3], use_cache=True, **common)
+            cache = first[1]
+            assert cache is not None and cache.get_seq_length() == 3
+            step = decoder(input_ids=decoder_input_ids[:, 3:], past_key_values=cache, use_cache=True, **common)[0]
+            torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
+            results.append(step)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+# 12. finetuning data from a save_to_disk folder or a datasets.Dataset, as pretraining takes it
+
+
+def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_model):
+    import datasets
+    import yaml
+    from conftest import DATA
+
+    from fat5.errors import FAT5Error
+    from fat5.trainer.finetune import finetune, load_finetune_config, load_raw_datasets
+
+    def config(train, validation=None, **training):
+        return {"task": "seq2seq", "model": str(tiny_model), "output_dir": str(tmp_path / "run"),
+                "data": {"train_file": train, "validation_file": validation, "text_column": "document",
+                         "target_column": "summary", "max_target_length": 16},
+                "training": {"per_device_train_batch_size": 4, "disable_tqdm": True, "report_to": "none",
+                             "save_strategy": "no", "use_cpu": True, **training}}
+
+    expected = load_raw_datasets(load_finetune_config(config(str(DATA)))["data"])["train"]
+    whole = datasets.Dataset.from_list(expected.to_list())
+    whole.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict(train=whole.select(range(20)), validation=whole.select(range(20, 30))).save_to_disk(
+        tmp_path / "saved_dict"
+    )
+    from_folder = load_raw_datasets(load_finetune_config(config(str(tmp_path / "saved")))["data"])
+    assert from_folder["train"].to_list() == expected.to_list()
+    from_dict = load_raw_datasets(
+        load_finetune_config(config(str(tmp_path / "saved_dict"), str(tmp_path / "saved_dict")))["data"]
+    )
+    assert len(from_dict["train"]) == 20 and from_dict["validation"].to_list() == whole.select(range(20, 30)).to_list()
+    (tmp_path / "not_saved").mkdir()
+    with pytest.raises(FAT5Error, match="not one written by datasets' save_to_disk"):
+        load_raw_datasets(load_finetune_config(config(str(tmp_path / "not_saved")))["data"])
+
+    result = finetune(config(whole.select(range(16)), max_steps=2))
+    assert any(entry.get("train_loss", 0) > 0 for entry in result["log_history"])
+    written = yaml.safe_load((tmp_path / "run" / "finetune_config.yaml").read_text())
+    assert "16 rows" in written["data"]["train_file"]
