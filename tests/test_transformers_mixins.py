@@ -139,6 +139,7 @@ class Seq2SeqTester:
 class EncoderTester(Seq2SeqTester):
     def prepare_config_and_inputs_for_common(self):
         config, inputs = super().prepare_config_and_inputs_for_common()
+        config.is_encoder_decoder = False  # what the encoder-only classes see, as in T5's encoder-only tests
         return config, {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
 
 
@@ -198,8 +199,13 @@ class _Outcomes(unittest.TestResult):
         super().__init__()
         self.outcomes = {}
 
+    @staticmethod
+    def _name(test) -> str:
+        # a subtest (one model class of the test) reports under its test's name
+        return getattr(test, "test_case", test).id().rsplit(".", 1)[-1]
+
     def _set(self, test, outcome):
-        name = test.id().rsplit(".", 1)[-1]
+        name = self._name(test)
         if self.outcomes.get(name) != "fail":
             self.outcomes[name] = outcome
 
@@ -207,18 +213,17 @@ class _Outcomes(unittest.TestResult):
         self._set(test, "pass")
 
     def addFailure(self, test, err):
-        self.outcomes[test.id().rsplit(".", 1)[-1]] = "fail"
+        self.outcomes[self._name(test)] = "fail"
 
     def addError(self, test, err):
-        self.outcomes[test.id().rsplit(".", 1)[-1]] = "fail"
+        self.outcomes[self._name(test)] = "fail"
 
     def addSkip(self, test, reason):
         self._set(test, f"skip: {reason}")
 
     def addSubTest(self, test, subtest, err):
         if err is not None:
-            name = test.id().rsplit(".", 1)[-1]
-            self.outcomes[name] = "skip: " + str(err[1]) if issubclass(err[0], unittest.SkipTest) else "fail"
+            self.outcomes[self._name(test)] = "fail"
 
 
 def _run(cases) -> dict:
