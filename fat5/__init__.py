@@ -7,6 +7,7 @@
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -32,6 +33,9 @@ AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
 for auto_class, model_class in (
     (AutoModel, FAT5Model),
     (AutoModelForSeq2SeqLM, FAT5ForConditionalGeneration),
+    # transformers 5.24's pipeline for T5 is "text-generation" (it dropped "text2text-generation"): it tries
+    # AutoModelForCausalLM, then the classes that config.architectures names in transformers, T5's among them
+    (AutoModelForCausalLM, FAT5ForConditionalGeneration),
     (AutoModelForTextEncoding, FAT5EncoderModel),
     (AutoModelForSequenceClassification, FAT5ForSequenceClassification),
     (AutoModelForTokenClassification, FAT5ForTokenClassification),

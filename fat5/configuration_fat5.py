@@ -1,5 +1,7 @@
 """FAT5 configuration: T5's fields, with their T5 meaning, plus the choices FAT5 adds."""
 
+import copy
+
 from transformers import PretrainedConfig
 
 POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
@@ -36,6 +38,12 @@ class FAT5Config(PretrainedConfig):
         is_encoder_decoder, use_cache, pad_token_id (0), eos_token_id (1), decoder_start_token_id (0): as in T5.
 
     FAT5's own fields:
+
+        encoder_only_heads (`bool`, defaults to `False`): `FAT5ForSequenceClassification` and
+            `FAT5ForQuestionAnswering` run the encoder alone (classification of the mean of the unpadded tokens'
+            states; answer span over the input tokens) instead of T5's encoder-decoder heads (the decoder's state at
+            the last EOS; span over the decoder positions). About half the compute and no decoder weights; a
+            converted `T5ForSequenceClassification` / `T5ForQuestionAnswering` needs `False`.
 
         position_encoding (`str`, defaults to `"t5"`): `"t5"` (the bucketed relative bias table, computed inside the
             attention kernel), `"alibi"` (fixed per-head linear distance penalties), `"rope"` (rotary embedding of
@@ -106,6 +114,7 @@ class FAT5Config(PretrainedConfig):
         tie_word_embeddings: bool = True,
         scale_decoder_outputs: bool | None = None,
         classifier_dropout: float = 0.0,
+        encoder_only_heads: bool = False,
         is_encoder_decoder: bool = True,
         use_cache: bool = True,
         pad_token_id: int = 0,
@@ -144,6 +153,7 @@ class FAT5Config(PretrainedConfig):
         self.feed_forward_proj = feed_forward_proj
         self.scale_decoder_outputs = tie_word_embeddings if scale_decoder_outputs is None else scale_decoder_outputs
         self.classifier_dropout = classifier_dropout
+        self.encoder_only_heads = encoder_only_heads
         self.use_cache = use_cache
         self.position_encoding = position_encoding
         self.position_bias_per_layer = position_bias_per_layer
@@ -186,6 +196,17 @@ class FAT5Config(PretrainedConfig):
     @property
     def effective_attention_scale(self) -> float:
         return self.d_kv**-0.5 if self.attention_scale is None else float(self.attention_scale)
+
+    def get_text_config(self, decoder=None, encoder=None) -> "FAT5Config":
+        """The decoder's config (``decoder=True``: what ``generate`` sizes its KV caches from) counts the decoder's
+        blocks as its ``num_layers``: a decoder deeper than the encoder (T5-Efficient's "DL" models) would otherwise
+        get a cache with too few layers, and transformers' T5 fails there with an IndexError."""
+        config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder and config.num_decoder_layers != config.num_layers:
+            # transformers gives a copy already (the decoder's fields of a flat encoder-decoder config); never self
+            config = copy.deepcopy(config) if config is self else config
+            config.num_layers = config.num_decoder_layers
+        return config
 
     def to_dict(self) -> dict:
         output = super().to_dict()

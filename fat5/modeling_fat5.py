@@ -8,6 +8,7 @@ cross-entropy with z-loss.
 """
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from transformers.modeling_outputs import (
     QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
+    Seq2SeqQuestionAnsweringModelOutput,
+    Seq2SeqSequenceClassifierOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -139,9 +142,14 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def _given_cache(cache, past_key_values):
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("give the KV cache once, as `cache` or as `past_key_values`, not both")
-    return cache if cache is not None else past_key_values
+    """The KV cache of a call that may name one twice. transformers' name, ``cache``, wins, as in T5, except while it
+    is still empty: PEFT's prefix tuning hands its prefix as ``past_key_values`` to every step of ``generate`` (it
+    takes each for the first, the cache being named ``cache`` now), next to generate's own cache, empty at the first
+    step. T5 reads the empty one there, so its generation ignores the prefix that its training used; FAT5 starts
+    from the prefix, and then goes on with the cache that grew from it."""
+    if cache is None or (past_key_values is not None and cache.get_seq_length() == 0):
+        return past_key_values if past_key_values is not None else cache
+    return cache
 
 
 def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -588,13 +596,17 @@ class FAT5Stack(nn.Module):
         cache=None,
         layout=None,
         encoder_layout=None,
+        use_cache=None,
         **kwargs,
     ):
         """``layout`` / ``encoder_layout``: the TokenLayout of ``segment_ids`` / ``encoder_segment_ids`` when the
         caller has built it already (the seq2seq models build the encoder's once for both stacks: each build reads
-        two numbers back to the host)."""
+        two numbers back to the host). ``use_cache=True`` on the decoder called on its own starts a KV cache, returned
+        in the output, from which a later call continues (T5's stack does so; the models pass theirs)."""
         _check_supported_arguments(self.config, kwargs)
         past_key_values = _given_cache(cache, past_key_values)
+        if use_cache and self.is_decoder and past_key_values is None and segment_ids is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         if (input_ids is None) == (inputs_embeds is None):
@@ -665,14 +677,15 @@ class FAT5Stack(nn.Module):
 
 @dataclass
 class FAT5Seq2SeqLMOutput(Seq2SeqLMOutput):
-    """``Seq2SeqLMOutput`` with the two parts of the loss: ``loss = ce_loss + z_loss``."""
+    """``Seq2SeqLMOutput`` with the two parts of the loss, ``loss = ce_loss + z_loss``, set only when the forward is
+    asked for them (``return_loss_parts=True``): otherwise the output holds T5's fields, so that its length, its keys
+    and its positions are T5's."""
 
     ce_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
 
     def to_tuple(self) -> tuple:
-        # T5's tuple (``return_dict=False``): the parts of the loss are named fields only, so that every position of
-        # the tuple holds what it holds in T5's
+        # T5's tuple (``return_dict=False``) even when the parts were asked for: they are named fields only
         return tuple(value for name, value in self.items() if name not in ("ce_loss", "z_loss"))
 
 
@@ -749,6 +762,18 @@ def _unreadable_safetensors(model_name_or_path, kwargs) -> str:
     return f"a weights file of {model_name_or_path}"
 
 
+def _register_with_peft() -> None:
+    """Give FAT5 T5's entries in PEFT's per-model defaults (LoRA's and IA3's target modules, prefix tuning's cache
+    layout...), so that ``LoraConfig(task_type="SEQ_2_SEQ_LM")`` without ``target_modules`` works as on T5: the
+    modules keep T5's names. Only where PEFT is imported already: importing it here would slow every load."""
+    constants = sys.modules.get("peft.utils.constants")
+    if constants is None:
+        return
+    for name, mapping in vars(constants).items():
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(mapping, dict) and "t5" in mapping:
+            mapping.setdefault(FAT5Config.model_type, mapping["t5"])
+
+
 class FAT5PreTrainedModel(PreTrainedModel):
     config_class = FAT5Config
     config: FAT5Config
@@ -757,13 +782,15 @@ class FAT5PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FAT5Block"]
     _supports_cache_class = True
     _can_compile_fullgraph = False
-    # the names that may share the embedding's storage (what save_pretrained dedups); which ones actually do is
-    # decided per model by get_expanded_tied_weights_keys
-    _tied_weights_keys = {
-        "encoder.embed_tokens.weight": "shared.weight",
-        "decoder.embed_tokens.weight": "shared.weight",
-        "lm_head.weight": "shared.weight",
-    }
+    # T5's: fp16 checkpoints of T5 v1.1 / FLAN-T5 overflow in the feed-forward's output projection unless it stays fp32
+    _keep_in_fp32_modules = ["wo"]
+    # each class names the weights that may share the embedding's storage (what save_pretrained dedups) among the
+    # modules it has; which ones actually do is decided per model by get_expanded_tied_weights_keys
+    _tied_weights_keys = {}
+
+    def __init__(self, config: FAT5Config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        _register_with_peft()
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -790,7 +817,8 @@ class FAT5PreTrainedModel(PreTrainedModel):
                     'FAT5 ignores attn_implementation="sdpa": its attention runs in its own fused kernels, chosen '
                     f"by config.attention_backend ({self.config.attention_backend!r})"
                 )
-            return "eager"
+            # the config keeps what was asked for, as T5's does (scripts read it back); both run the same kernels
+            return requested_attention or "eager"
         raise ValueError(
             f"attn_implementation={requested_attention!r} is not supported: FAT5's attention runs in its own fused "
             "kernels, chosen by config.attention_backend ('auto', 'triton' or 'reference'); leave attn_implementation "
@@ -800,10 +828,24 @@ class FAT5PreTrainedModel(PreTrainedModel):
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         # The stacks use the model's embedding module itself, always; lm_head shares its weight only when the config
         # says so. (transformers' default ties nothing at all when tie_word_embeddings is False, FLAN-T5's case.)
+        if all_submodels:
+            # each FAT5 model inside this one (a sequence classifier's `transformer`) answers for itself, prefixed
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
         tied = {f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder") if hasattr(self, stack)}
         if self.config.tie_word_embeddings and isinstance(getattr(self, "lm_head", None), nn.Linear):
             tied["lm_head.weight"] = "shared.weight"
         return tied
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers marks the tied targets as loaded so that they are not drawn for nothing, and for custom code
+        also drops from the missing keys every parameter so marked. FAT5's stacks hold the embedding module itself,
+        so its target and source are one parameter: marked, a checkpoint without the embedding would load with an
+        undrawn one and report nothing missing. Only a target that is a parameter of its own is marked here; the
+        tying that follows then reports exactly T5's missing keys."""
+        for target, source in self.all_tied_weights_keys.items():
+            target_parameter = self.get_parameter(target)
+            if target_parameter is not self.get_parameter(source):
+                target_parameter._is_hf_initialized = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -958,8 +1000,15 @@ class FAT5PreTrainedModel(PreTrainedModel):
         }
 
 
+_STACK_EMBEDDINGS = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+
+
 class FAT5Model(FAT5PreTrainedModel):
     """The bare encoder-decoder, returning the decoder's last hidden states."""
+
+    _tied_weights_keys = _STACK_EMBEDDINGS
+    # a checkpoint of the full model loads quietly without its head, as in T5Model
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1044,10 +1093,10 @@ def _encode_decode(
             hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
         )
     use_cache = model.config.use_cache if use_cache is None else use_cache
+    # use_cache=False makes no cache, but reads one that is given, as T5 does (PEFT's prefix tuning gives its prefix
+    # as a cache)
     if use_cache and past_key_values is None and decoder_segment_ids is None and not model.training:
         past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    if not use_cache:
-        past_key_values = None
     decoder_outputs = model.decoder(
         input_ids=decoder_input_ids,
         attention_mask=decoder_attention_mask,
@@ -1079,13 +1128,16 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
     examples per row, numbered 1..n in order, then 0 on the padding after the last; segment ``s`` of the decoder
     row is the target of segment ``s`` of the encoder row; the decoder inputs must then be given, shifted per
-    segment) and ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
-    the loss is their sum over it).
+    segment), ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
+    the loss is their sum over it) and ``return_loss_parts`` (the output then holds ``ce_loss`` and ``z_loss`` too,
+    whose sum is ``loss``; FAT5Trainer asks for them to log them).
 
     ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
     the decoding step once into CUDA graphs and replays it for every new token.
     """
+
+    _tied_weights_keys = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1134,6 +1186,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         return_dict=None,
         num_items_in_batch=None,
         cache=None,
+        return_loss_parts=False,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1172,8 +1225,8 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             decoder_hidden_states=decoder_outputs.hidden_states,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-            ce_loss=ce_loss,
-            z_loss=z_loss,
+            ce_loss=ce_loss if return_loss_parts else None,
+            z_loss=z_loss if return_loss_parts else None,
         )
         return _as_requested(output, return_dict, self.config)
 
@@ -1230,6 +1283,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
 class FAT5EncoderModel(FAT5PreTrainedModel):
     """The encoder alone (embeddings, blocks, final norm): sentence embeddings and encoder task heads."""
 
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
@@ -1275,6 +1329,7 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
 class _FAT5EncoderWithHead(FAT5PreTrainedModel):
     """An encoder task head: the encoder's parameters keep the full model's names, so a converted checkpoint loads."""
 
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
     _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
@@ -1315,36 +1370,142 @@ class FAT5ClassificationHead(nn.Module):
         return self.out_proj(self.dropout(hidden_states))
 
 
-class FAT5ForSequenceClassification(_FAT5EncoderWithHead):
-    """Encoder + mean pooling over the unpadded tokens + classification head (regression when num_labels == 1)."""
+def _refuse_decoder_arguments(model_name: str, arguments: dict) -> None:
+    """An encoder-only head has no decoder: decoder arguments are refused by name rather than ignored."""
+    given = sorted(name for name, value in arguments.items() if value is not None)
+    if given:
+        raise ValueError(
+            f"{model_name} was built with config.encoder_only_heads=True (the encoder alone), so it cannot use "
+            f"{', '.join(given)}; T5's encoder-decoder head is config.encoder_only_heads=False"
+        )
+
+
+def _decoder_inputs_of(model, input_ids, decoder_input_ids, decoder_inputs_embeds):
+    """T5's heads decode the input shifted right when no decoder inputs are given."""
+    if decoder_input_ids is None and decoder_inputs_embeds is None:
+        if input_ids is None:
+            raise ValueError(
+                f"{type(model).__name__}: without decoder_input_ids or decoder_inputs_embeds the decoder reads "
+                "input_ids shifted right, so input_ids must be given"
+            )
+        return model._shift_right(input_ids)
+    return decoder_input_ids
+
+
+class FAT5ForSequenceClassification(FAT5PreTrainedModel):
+    """T5's sequence classification: the encoder-decoder reads the input (the decoder its copy shifted right) and the
+    head classifies the decoder's state at the last EOS token (regression when num_labels == 1); every input row
+    must hold the same number of EOS tokens, at least one. The parameters keep T5's names (``transformer.``), so a
+    converted ``T5ForSequenceClassification`` loads as it is.
+
+    With ``config.encoder_only_heads`` the encoder alone reads the input and the head classifies the mean of its
+    unpadded tokens' states; the parameters then keep the full model's names (``encoder.``)."""
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
+        if config.encoder_only_heads:
+            self.shared = nn.Embedding(config.vocab_size, config.d_model)
+            self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
+            self._keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+        else:
+            self.transformer = FAT5Model(config)
+            self._keys_to_ignore_on_load_unexpected = [r"lm_head\."]
         self.classification_head = FAT5ClassificationHead(config)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared if self.config.encoder_only_heads else self.transformer.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        if self.config.encoder_only_heads:
+            self.shared = self.encoder.embed_tokens = new_embeddings
+        else:
+            self.transformer.set_input_embeddings(new_embeddings)
+
+    def get_encoder(self):
+        return self.encoder if self.config.encoder_only_heads else self.transformer.encoder
 
     def forward(
         self,
         input_ids=None,
         attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
         inputs_embeds=None,
+        decoder_inputs_embeds=None,
         labels=None,
+        use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         **kwargs,
-    ) -> SequenceClassifierOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
-        hidden_states = outputs.last_hidden_state
-        if attention_mask is None:
-            pooled = hidden_states.mean(dim=1)
-        else:
-            weights = attention_mask.to(hidden_states.dtype)[..., None]
-            pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
-        logits = self.classification_head(pooled)
+    ) -> Seq2SeqSequenceClassifierOutput | SequenceClassifierOutput:
+        _check_supported_arguments(self.config, kwargs)
+        if self.config.encoder_only_heads:
+            _refuse_decoder_arguments(type(self).__name__, {
+                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                "use_cache": use_cache,
+            })
+            outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+            )
+            hidden_states = outputs.last_hidden_state
+            if attention_mask is None:
+                pooled = hidden_states.mean(dim=1)
+            else:
+                weights = attention_mask.to(hidden_states.dtype)[..., None]
+                pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+            logits = self.classification_head(pooled)
+            loss = None
+            if labels is not None:
+                loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
+            output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+            return _as_requested(output, return_dict, self.config)
+
+        if input_ids is None:
+            raise ValueError(
+                f"{type(self).__name__} needs input_ids: it classifies the decoder's state at the input's last EOS "
+                "token (inputs_embeds alone do not say where that is), as T5ForSequenceClassification"
+            )
+        if labels is not None:
+            use_cache = False
+        outputs = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=_decoder_inputs_of(self, input_ids, decoder_input_ids, decoder_inputs_embeds),
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        sequence_output = outputs.last_hidden_state
+        eos_mask = input_ids.eq(self.config.eos_token_id).to(sequence_output.device)
+        eos_counts = eos_mask.sum(dim=1)
+        if eos_counts.min() < 1 or eos_counts.max() != eos_counts.min():
+            raise ValueError(
+                f"{type(self).__name__}: every input row must hold the same number of EOS tokens (id "
+                f"{self.config.eos_token_id}), at least one; the rows hold {eos_counts.tolist()}"
+            )
+        batch_size, _, hidden_size = sequence_output.shape
+        sentence_representation = sequence_output[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
+        logits = self.classification_head(sentence_representation)
         loss = None
         if labels is not None:
             loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = Seq2SeqSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+        )
         return _as_requested(output, return_dict, self.config)
 
 
@@ -1405,38 +1566,99 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
         return _as_requested(output, return_dict, self.config)
 
 
-class FAT5ForQuestionAnswering(_FAT5EncoderWithHead):
-    """Extractive question answering: start and end logits over the encoder's tokens."""
+class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
+    """Extractive question answering, T5's way: start and end logits over the decoder's positions, which read the
+    input shifted right (T5ForQuestionAnswering's names, so a converted one loads as it is). With
+    ``config.encoder_only_heads``, over the encoder's tokens, with no decoder."""
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        if config.encoder_only_heads:
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
+            self._keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+        else:
+            self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+            self._tied_weights_keys = dict(_STACK_EMBEDDINGS)
+            self._keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
         self.qa_outputs = nn.Linear(config.d_model, 2)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = self.encoder.embed_tokens = new_embeddings
+        if hasattr(self, "decoder"):
+            self.decoder.embed_tokens = new_embeddings
+
+    def get_encoder(self):
+        return self.encoder
 
     def forward(
         self,
         input_ids=None,
         attention_mask=None,
-        inputs_embeds=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
         start_positions=None,
         end_positions=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         **kwargs,
-    ) -> QuestionAnsweringModelOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
-        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
+    ) -> Seq2SeqQuestionAnsweringModelOutput | QuestionAnsweringModelOutput:
+        _check_supported_arguments(self.config, kwargs)
+        if self.config.encoder_only_heads:
+            _refuse_decoder_arguments(type(self).__name__, {
+                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                "use_cache": use_cache,
+            })
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+            )
+            sequence_output, decoder_outputs = encoder_outputs.last_hidden_state, None
+        else:
+            if start_positions is not None and end_positions is not None:
+                use_cache = False
+            encoder_outputs, decoder_outputs = _encode_decode(
+                self, input_ids, attention_mask,
+                _decoder_inputs_of(self, input_ids, decoder_input_ids, decoder_inputs_embeds),
+                decoder_attention_mask, encoder_outputs, None, inputs_embeds, decoder_inputs_embeds, None, None,
+                use_cache, output_hidden_states,
+            )
+            sequence_output = decoder_outputs.last_hidden_state
+        start_logits, end_logits = self.qa_outputs(sequence_output).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
             ignored = start_logits.shape[1]
             start_loss = nn.functional.cross_entropy(
-                start_logits, start_positions.clamp(0, ignored), ignore_index=ignored
+                start_logits, start_positions.view(-1).clamp(0, ignored), ignore_index=ignored
             )
-            end_loss = nn.functional.cross_entropy(end_logits, end_positions.clamp(0, ignored), ignore_index=ignored)
+            end_loss = nn.functional.cross_entropy(
+                end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored
+            )
             loss = (start_loss + end_loss) / 2
-        output = QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states
-        )
+        if decoder_outputs is None:
+            output = QuestionAnsweringModelOutput(
+                loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states
+            )
+        else:
+            output = Seq2SeqQuestionAnsweringModelOutput(
+                loss=loss,
+                start_logits=start_logits,
+                end_logits=end_logits,
+                **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
+                decoder_hidden_states=decoder_outputs.hidden_states,
+                encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                encoder_hidden_states=encoder_outputs.hidden_states,
+            )
         return _as_requested(output, return_dict, self.config)
 
 

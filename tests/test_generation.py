@@ -286,3 +286,33 @@ def test_decoder_and_encoder_output_masks_of_the_wrong_length_are_refused_by_nam
         encoded = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
     with pytest.raises(ValueError, match="the encoder's attention_mask: the attention mask covers 8 positions but there"):
         model.generate(encoder_outputs=encoded, attention_mask=attention_mask[:, :8], max_new_tokens=4)
+
+
+# encoder and decoder of different depths (T5-Efficient's "DL" / "EL" models)
+
+
+@pytest.mark.parametrize(("encoder_layers", "decoder_layers"), [(1, 3), (3, 1)])
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 2}, STATIC], ids=["greedy", "beam", "static"])
+def test_generate_with_a_decoder_deeper_or_shallower_than_the_encoder(encoder_layers, decoder_layers, settings):
+    """transformers 5.24 sizes generate's caches from the config's layer count, the encoder's for T5: a deeper decoder
+    fails there with an IndexError (in T5 too). FAT5's decoder config counts the decoder's blocks; the cached ids are
+    those of decoding without a cache, and where T5 runs (a shallower decoder), T5's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+
+    depths = {"num_layers": encoder_layers, "num_decoder_layers": decoder_layers}
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(**{**TINY, **depths}, feed_forward_proj="gated-gelu")).eval()
+    model = FAT5ForConditionalGeneration(FAT5Config(
+        **{**TINY, **depths}, feed_forward_proj="gated-gelu", attention_backend="reference"
+    )).eval()
+    model.load_state_dict(t5.state_dict(), strict=False)
+    input_ids, attention_mask, _ = padded_batch()
+    arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 5, "min_new_tokens": 5,
+                 "do_sample": False, **settings}
+    generated = model.generate(**arguments)
+    uncached = {name: value for name, value in arguments.items() if name != "cache_implementation"}
+    assert torch.equal(generated, model.generate(**uncached, use_cache=False))
+    if decoder_layers <= encoder_layers:
+        assert torch.equal(generated, t5.generate(**arguments))

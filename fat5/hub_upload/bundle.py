@@ -40,13 +40,15 @@ VALIDATION_TIMEOUT_S = 900
 SEQ2SEQ_AUTO_MAP = {
     "AutoModel": "FAT5Model",
     "AutoModelForSeq2SeqLM": "FAT5ForConditionalGeneration",
+    # what the "text-generation" pipeline loads (it serves T5 through config.architectures, which remote code lacks)
+    "AutoModelForCausalLM": "FAT5ForConditionalGeneration",
     "AutoModelForTextEncoding": "FAT5EncoderModel",
     "AutoModelForSequenceClassification": "FAT5ForSequenceClassification",
     "AutoModelForTokenClassification": "FAT5ForTokenClassification",
     "AutoModelForQuestionAnswering": "FAT5ForQuestionAnswering",
 }
 ENCODER_AUTO_MAP = {**SEQ2SEQ_AUTO_MAP, "AutoModel": "FAT5EncoderModel"}
-del ENCODER_AUTO_MAP["AutoModelForSeq2SeqLM"]
+del ENCODER_AUTO_MAP["AutoModelForSeq2SeqLM"], ENCODER_AUTO_MAP["AutoModelForCausalLM"]
 SEQ2SEQ_ARCHITECTURES = ("FAT5ForConditionalGeneration", "FAT5Model")
 
 

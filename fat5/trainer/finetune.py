@@ -13,7 +13,8 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
                                        # adds mixed precision on top of float32 weights
     output_dir: runs/summarize
     data:
-      train_file: train.jsonl          # json / jsonl / csv / tsv / parquet, one file or a list ...
+      train_file: train.jsonl          # json / jsonl / csv / tsv / parquet, one file or a list, a save_to_disk
+                                       # folder, or (from Python) a datasets.Dataset ...
       validation_file: valid.jsonl     # ... or dataset_name (+ dataset_config_name) of a Hub dataset
       train_split: train               # with dataset_name: the splits to train and evaluate on
       validation_split: validation
@@ -457,6 +458,28 @@ def _builder(files: list[str], name: str) -> tuple[str, dict]:
     return FILE_BUILDERS[kind], ({"delimiter": "\t"} if kind == ".tsv" else {})
 
 
+def _dataset_given_or_saved(value, name: str, split: str):
+    """A ``datasets.Dataset`` given as ``data.train_file`` / ``validation_file``, or the one in a folder written by
+    ``save_to_disk`` (a ``DatasetDict`` folder gives its split of that name), as ``fat5 pretrain`` takes them; None
+    for file paths."""
+    import datasets
+
+    if isinstance(value, datasets.Dataset):
+        return value
+    if not isinstance(value, (str, os.PathLike)) or not Path(value).expanduser().is_dir():
+        return None
+    path = Path(value).expanduser()
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise FAT5Error(f"data.{name}: {path} is a folder, but not one written by datasets' save_to_disk") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise FAT5Error(f"data.{name}: {path} holds the splits {sorted(loaded)}, none named {split!r}")
+        loaded = loaded[split]
+    return loaded
+
+
 def load_raw_datasets(data: dict):
     """``DatasetDict`` with ``train`` and, when there is evaluation data, ``validation``."""
     import datasets
@@ -469,11 +492,19 @@ def load_raw_datasets(data: dict):
                 raise FAT5Error(f"data: {data['dataset_name']} has no split {splits['train']!r}: {sorted(loaded)}")
             raw = datasets.DatasetDict({key: loaded[split] for key, split in splits.items() if split in loaded})
         else:
-            data_files = {"train": _data_files(data["train_file"], "train_file")}
-            if data["validation_file"] is not None:
-                data_files["validation"] = _data_files(data["validation_file"], "validation_file")
-            builder, options = _builder([f for files in data_files.values() for f in files], "train_file")
-            raw = datasets.load_dataset(builder, data_files=data_files, **options)
+            splits, data_files = {}, {}
+            for split, name in (("train", "train_file"), ("validation", "validation_file")):
+                if data[name] is None:
+                    continue
+                dataset = _dataset_given_or_saved(data[name], name, split)
+                if dataset is None:
+                    data_files[split] = _data_files(data[name], name)
+                else:
+                    splits[split] = dataset
+            if data_files:
+                builder, options = _builder([f for files in data_files.values() for f in files], "train_file")
+                splits.update(datasets.load_dataset(builder, data_files=data_files, **options))
+            raw = datasets.DatasetDict({split: splits[split] for split in ("train", "validation") if split in splits})
     except FAT5Error:
         raise
     except Exception as error:  # noqa: BLE001  (datasets raises many kinds: file format, network, missing dataset)
@@ -793,10 +824,18 @@ def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics = {"train": result["train"], "eval": result["eval"]}
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
-        (output_dir / "finetune_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        (output_dir / "finetune_config.yaml").write_text(yaml.safe_dump(_as_written(config), sort_keys=False),
+                                                         encoding="utf-8")
     # no process returns before the main one has written what the result names
     trainer.accelerator.wait_for_everyone()
     return result
+
+
+def _as_written(config: dict) -> dict:
+    """The config as finetune_config.yaml records it: a dataset given as an object is named by its size."""
+    data = {key: f"<datasets.Dataset of {len(value)} rows, given in memory>" if hasattr(value, "column_names")
+            else value for key, value in config["data"].items()}
+    return {**config, "data": data}
 
 
 def _inputs(config: dict) -> list[Path]:

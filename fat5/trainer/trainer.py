@@ -5,6 +5,7 @@ The model computes the fused cross-entropy + z-loss itself (exact under gradient
 to every training log, and routes transformers' ``label_smoothing_factor`` into the fused loss.
 """
 
+import inspect
 import json
 import math
 import os
@@ -308,6 +309,18 @@ def _yields_batches(dataset) -> bool:
     return isinstance(dataset, PackedStreamDataset)
 
 
+def _takes_loss_parts(model) -> bool:
+    """Whether the model under the Trainer's wrappers (DDP, torch.compile, a PEFT model) is a FAT5 seq2seq model, whose
+    forward returns the loss's parts when asked (``return_loss_parts``): they are logged apart."""
+    from transformers.modeling_utils import unwrap_model
+
+    model = unwrap_model(model)
+    model = getattr(model, "_orig_mod", model)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return "return_loss_parts" in inspect.signature(model.forward).parameters
+
+
 class FAT5Trainer(Seq2SeqTrainer):
     """A ``Seq2SeqTrainer`` for FAT5 models; every argument is the parent's.
 
@@ -493,6 +506,8 @@ class FAT5Trainer(Seq2SeqTrainer):
                 )
             if self._window_start is None:
                 self._window_start = time.perf_counter()
+            if _takes_loss_parts(model):
+                inputs = {**inputs, "return_loss_parts": True}
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             # kept on the device: adding them up here costs no synchronisation, the log reads them once

@@ -1,0 +1,379 @@
+"""Everyday transformers calls give on FAT5 what they give on transformers' own T5 (issue: "whatever a transformers
+user does with T5 works the same with FAT5"): loading reports, tied-weight declarations, the output tuple, fp16,
+the stacks called on their own, masks, attention probabilities, task heads, PEFT defaults and pipelines."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_modeling import TINY, fat5_from_hf, make_hf, padded_batch, relative_error
+from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, T5Model
+
+from fat5 import (
+    FAT5Config,
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+    FAT5PreTrainedModel,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALL_CLASSES = [
+    FAT5Model, FAT5ForConditionalGeneration, FAT5EncoderModel, FAT5ForSequenceClassification,
+    FAT5ForTokenClassification, FAT5ForQuestionAnswering,
+]
+T5_OF = {FAT5Model: T5Model, FAT5ForConditionalGeneration: T5ForConditionalGeneration, FAT5EncoderModel: T5EncoderModel}
+
+
+def tiny_config(**overrides):
+    return FAT5Config(**{**TINY, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+                         "attention_backend": "reference", **overrides})
+
+
+def drop_embeddings(folder):
+    """Rewrite a saved model without its token embedding (what a truncated or hand-edited checkpoint looks like)."""
+    weights = load_file(folder / "model.safetensors")
+    kept = {name: tensor for name, tensor in weights.items() if "shared" not in name and "embed_tokens" not in name}
+    assert len(kept) < len(weights)
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+# 1. a checkpoint without the token embedding is reported, as T5 reports it
+
+
+@pytest.fixture(scope="module")
+def checkpoints_without_embeddings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("no_embeddings")
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(root / "fat5")
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="gated-gelu")).save_pretrained(root / "t5")
+    for folder in ("fat5", "t5"):
+        drop_embeddings(root / folder)
+    return root
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_missing_embeddings_are_reported_as_t5_reports_them(checkpoints_without_embeddings, model_class):
+    model, info = model_class.from_pretrained(checkpoints_without_embeddings / "fat5", output_loading_info=True)
+    prefix = "transformer." if hasattr(model, "transformer") else ""  # T5ForSequenceClassification's layout
+    embedding_keys = {f"{prefix}shared.weight", f"{prefix}encoder.embed_tokens.weight"}
+    if hasattr(model, "decoder") or prefix:
+        embedding_keys.add(f"{prefix}decoder.embed_tokens.weight")
+    assert embedding_keys <= set(info["missing_keys"])
+    if model_class in T5_OF:
+        _, t5_info = T5_OF[model_class].from_pretrained(checkpoints_without_embeddings / "t5", output_loading_info=True)
+        assert {k for k in info["missing_keys"] if k in embedding_keys} == {
+            k for k in t5_info["missing_keys"] if k in embedding_keys
+        }
+    # the embedding is drawn as a fresh model's is (T5's N(0, initializer_factor)), not left as uninitialised memory
+    weight = model.get_input_embeddings().weight
+    assert torch.isfinite(weight).all() and 0.8 < weight.std().item() < 1.2
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_a_complete_checkpoint_loads_quietly(tmp_path, model_class):
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(tmp_path)
+    _, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    head_keys = {"classification_head", "classifier", "qa_outputs"}
+    assert not [k for k in info["missing_keys"] if k.split(".")[0] not in head_keys]
+    assert not info["unexpected_keys"]  # item 23.11: AutoModel on a seq2seq checkpoint ignores lm_head quietly
+
+
+# 2. each class declares only the tied weights that it has
+
+
+@pytest.mark.parametrize("model_class", ALL_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_weights_keys_name_parameters_of_the_class(model_class, tied):
+    model = model_class(tiny_config(tie_word_embeddings=tied))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    # transformers' own reading of the declarations: each (sub)model's, prefixed by where it sits
+    submodels = [(name, module) for name, module in model.named_modules() if isinstance(module, FAT5PreTrainedModel)]
+    declared = {f"{name}.{key}" if name else key: f"{name}.{value}" if name else value
+                for name, module in submodels for key, value in (module._tied_weights_keys or {}).items()}
+    assert declared and all(target in parameters and source in parameters for target, source in declared.items())
+    assert set(model.all_tied_weights_keys) <= set(declared)
+
+
+# 5. the output's length, keys and positions are T5's; the loss's parts come when asked
+
+
+@pytest.mark.parametrize("output_hidden_states", [False, True])
+def test_output_fields_and_positions_are_t5s(output_hidden_states):
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, labels = padded_batch()
+    arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                 "output_hidden_states": output_hidden_states}
+    with torch.no_grad():
+        expected, actual = hf(**arguments), model(**arguments)
+        parts = model(**arguments, return_loss_parts=True)
+    assert len(actual) == len(expected) and list(actual.keys()) == list(expected.keys())
+    for position in range(len(expected)):
+        assert type(actual[position]) is type(expected[position])
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-4, atol=1e-5)  # logits, where T5 keeps them
+    torch.testing.assert_close(parts.ce_loss + parts.z_loss, parts.loss)
+    assert len(parts.to_tuple()) == len(expected.to_tuple())
+
+
+# 7. fp16: the feed-forward's output projection stays fp32, as in T5
+
+
+def test_fp16_keeps_wo_in_fp32_and_stays_finite_where_fp16_overflows(tmp_path):
+    hf = make_hf("t5v1.1")
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if name.endswith("DenseReluDense.wo.weight"):
+                # feed-forward outputs beyond fp16's 65504, as T5 v1.1 / FLAN-T5 activations grow
+                parameter.mul_(3e4)
+    fat5_from_hf(hf, "t5v1.1").save_pretrained(tmp_path / "fat5")
+    hf.save_pretrained(tmp_path / "t5")
+    input_ids, attention_mask, labels = padded_batch()
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    with torch.no_grad():
+        reference = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "fat5").eval()(**batch)
+        half = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "fat5", dtype=torch.float16).eval()
+        t5_half = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch.float16).eval()
+        assert half.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+        assert half.shared.weight.dtype == torch.float16
+        actual, expected = half(**batch), t5_half(**batch)
+        assert torch.isfinite(actual.logits).all()
+        assert relative_error(actual.logits, reference.logits) < 1e-2
+        assert relative_error(actual.logits, expected.logits) < 5e-3
+        # the case is one that fp16 cannot hold: with wo in fp16 too, the logits are far off
+        for module in half.modules():
+            if hasattr(module, "wo"):
+                module.wo.half()
+        assert not relative_error(half(**batch).logits, reference.logits) < 5e-2
+
+
+# 8. sequence classification and question answering are T5's encoder-decoder heads; encoder-only is an option
+
+
+def head_pair(t5_class, fat5_class, family="t5v1.1", **config):
+    """A T5 head and the FAT5 head with its weights, loaded by name (the names are T5's on both sides)."""
+    torch.manual_seed(4)
+    t5_config = T5Config(**{**TINY, **config}, feed_forward_proj="gated-gelu" if family == "t5v1.1" else "relu")
+    t5 = t5_class(t5_config).eval()
+    fat5 = fat5_class(tiny_config(feed_forward_proj=t5_config.feed_forward_proj, **config)).eval()
+    missing, unexpected = fat5.load_state_dict(t5.state_dict(), strict=False)
+    assert not unexpected and not [key for key in missing if "embed_tokens" not in key], (missing, unexpected)
+    return t5, fat5
+
+
+def rows_with_one_eos(seed=2):
+    """Padded rows, each ending in one EOS (id 1) before its padding, as a tokenizer gives them."""
+    input_ids, attention_mask, _ = padded_batch(seed)
+    input_ids = input_ids.clamp(min=2).masked_fill(attention_mask == 0, 0)
+    input_ids[torch.arange(len(input_ids)), attention_mask.sum(1) - 1] = 1
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize(("num_labels", "labels"), [(3, torch.tensor([0, 2, 1])), (1, torch.tensor([0.5, -1.0, 2.0]))])
+def test_sequence_classification_is_t5s(num_labels, labels):
+    from transformers import T5ForSequenceClassification
+
+    t5, fat5 = head_pair(T5ForSequenceClassification, FAT5ForSequenceClassification, num_labels=num_labels)
+    input_ids, attention_mask = rows_with_one_eos()
+    with torch.no_grad():
+        expected = t5(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        actual = fat5(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert list(actual.keys()) == list(expected.keys())
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_question_answering_is_t5s():
+    from transformers import T5ForQuestionAnswering
+
+    t5, fat5 = head_pair(T5ForQuestionAnswering, FAT5ForQuestionAnswering, family="t5")
+    input_ids, attention_mask = rows_with_one_eos()
+    positions = {"start_positions": torch.tensor([1, 0, 3]), "end_positions": torch.tensor([2, 4, 3])}
+    with torch.no_grad():
+        expected = t5(input_ids=input_ids, attention_mask=attention_mask, **positions)
+        actual = fat5(input_ids=input_ids, attention_mask=attention_mask, **positions)
+        for name in ("start_logits", "end_logits", "loss"):
+            torch.testing.assert_close(getattr(actual, name), getattr(expected, name), rtol=1e-4, atol=1e-5)
+        expected, actual = t5(input_ids=input_ids, attention_mask=attention_mask), fat5(input_ids=input_ids,
+                                                                                         attention_mask=attention_mask)
+    assert list(actual.keys()) == list(expected.keys())
+
+
+@pytest.mark.parametrize("head_class", [FAT5ForSequenceClassification, FAT5ForQuestionAnswering],
+                         ids=lambda c: c.__name__)
+def test_heads_load_quietly_from_a_seq2seq_checkpoint_in_either_layout(tmp_path, head_class):
+    FAT5ForConditionalGeneration(tiny_config()).save_pretrained(tmp_path)
+    for encoder_only in (False, True):
+        model, info = head_class.from_pretrained(tmp_path, encoder_only_heads=encoder_only, output_loading_info=True)
+        assert hasattr(model.get_input_embeddings(), "weight")
+        assert not info["unexpected_keys"]
+        assert {key.split(".")[0] for key in info["missing_keys"]} <= {"classification_head", "qa_outputs"}
+        assert any(".decoder." in f".{name}" for name, _ in model.named_parameters()) == (not encoder_only)
+        model.save_pretrained(tmp_path / f"head-{encoder_only}")
+        reloaded, info = head_class.from_pretrained(tmp_path / f"head-{encoder_only}", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        assert reloaded.config.encoder_only_heads == encoder_only
+
+
+@pytest.mark.parametrize("head_class", [FAT5ForSequenceClassification, FAT5ForQuestionAnswering],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("argument", ["decoder_input_ids", "decoder_attention_mask"])
+def test_encoder_only_heads_refuse_decoder_arguments(head_class, argument):
+    model = head_class(tiny_config(encoder_only_heads=True)).eval()
+    input_ids, attention_mask = rows_with_one_eos()
+    with pytest.raises(ValueError, match=f"encoder_only_heads=True.*{argument}"):
+        model(input_ids=input_ids, attention_mask=attention_mask, **{argument: attention_mask})
+
+
+def test_sequence_classification_refuses_rows_with_unequal_eos_counts():
+    model = FAT5ForSequenceClassification(tiny_config()).eval()
+    input_ids, attention_mask = rows_with_one_eos()
+    input_ids[0, 0] = 1
+    with pytest.raises(ValueError, match="same number of EOS"):
+        model(input_ids=input_ids, attention_mask=attention_mask)
+
+
+# 1, 9, 11 and the base model's quiet load, from a Hub bundle in a process that cannot import fat5
+
+BUNDLE_WITHOUT_FAT5 = r"""
+import importlib.abc, json, sys
+
+class BlockFat5(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fat5" or name.startswith("fat5."):
+            raise ImportError(f"fat5 is blocked in this process ({name})")
+        return None
+
+sys.meta_path.insert(0, BlockFat5())
+import peft, torch, transformers
+
+folder, no_embeddings, out_file = sys.argv[1:4]
+results = {}
+_, info = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+results["base_unexpected"] = sorted(info["unexpected_keys"])
+model, info = transformers.AutoModelForSeq2SeqLM.from_pretrained(no_embeddings, trust_remote_code=True,
+                                                                 output_loading_info=True)
+results["missing"] = sorted(info["missing_keys"])
+results["module"] = type(model).__module__
+lora = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_2_SEQ_LM"))
+results["lora_targets"] = sorted(lora.targeted_module_names)
+generator = transformers.pipeline("text-generation", model=folder, trust_remote_code=True)
+results["pipeline_model"] = type(generator.model).__module__
+results["generated"] = generator("w5 w17 w33", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+with open(out_file, "w") as handle:
+    json.dump(results, handle)
+"""
+
+
+def test_a_bundle_reports_missing_embeddings_takes_peft_defaults_and_serves_the_pipeline(tmp_path):
+    import json
+    import shutil
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from test_hf_api import word_tokenizer
+    from test_hub_upload import run_isolated
+
+    from fat5.hub_upload import bundle
+
+    model_dir = tmp_path / "model"
+    fat5_from_hf(make_hf("t5v1.1"), "t5v1.1").save_pretrained(model_dir)
+    word_tokenizer().save_pretrained(model_dir)
+    bundle(model_dir, tmp_path / "bundle", repo_id="someone/fat5-tiny", license="apache-2.0", validate=False)
+    shutil.copytree(tmp_path / "bundle", tmp_path / "no_embeddings")
+    drop_embeddings(tmp_path / "no_embeddings")
+    completed = run_isolated(BUNDLE_WITHOUT_FAT5, tmp_path / "bundle", tmp_path / "no_embeddings",
+                             tmp_path / "out.json", tmp=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    remote = json.loads((tmp_path / "out.json").read_text())
+    assert remote["module"].startswith("transformers_modules.")
+    assert remote["pipeline_model"].startswith("transformers_modules.")
+    assert remote["base_unexpected"] == []
+    assert {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= set(remote["missing"])
+    local = FAT5ForConditionalGeneration.from_pretrained(model_dir)
+    assert remote["lora_targets"] == sorted(get_peft_model(local, LoraConfig(task_type="SEQ_2_SEQ_LM"))
+                                            .targeted_module_names)
+    generated = transformers.pipeline("text-generation", model=str(model_dir))("w5 w17 w33", max_new_tokens=4,
+                                                                             do_sample=False)
+    assert remote["generated"] == generated[0]["generated_text"]
+
+
+def test_text_generation_pipeline_serves_fat5_as_it_serves_t5(tmp_path):
+    import transformers
+    from test_hf_api import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    hf = make_hf("t5v1.1")
+    for name, model in (("t5", hf), ("fat5", fat5_from_hf(hf, "t5v1.1"))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    outputs = [transformers.pipeline("text-generation", model=str(tmp_path / name))(
+        ["w5 w17 w33", "w40 w4"], max_new_tokens=4, do_sample=False) for name in ("t5", "fat5")]
+    assert outputs[0] == outputs[1]
+
+
+# 3. the decoder stack on its own keeps a cache and continues from it, as T5's does
+
+
+def test_bare_decoder_stack_returns_a_cache_and_continues_from_it():
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch()
+    decoder_input_ids = torch.tensor([[0, 5, 9, 17]] * len(input_ids))
+    with torch.no_grad():
+        results = []
+        for stack_owner in (hf, model):
+            encoder_states = stack_owner.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)[0]
+            decoder = stack_owner.get_decoder()
+            common = {"encoder_hidden_states": encoder_states, "encoder_attention_mask": attention_mask}
+            full = decoder(input_ids=decoder_input_ids, **common)[0]
+            first = decoder(input_ids=decoder_input_ids[:, :3], use_cache=True, **common)
+            cache = first[1]
+            assert cache is not None and cache.get_seq_length() == 3
+            step = decoder(input_ids=decoder_input_ids[:, 3:], past_key_values=cache, use_cache=True, **common)[0]
+            torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
+            results.append(step)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+# 12. finetuning data from a save_to_disk folder or a datasets.Dataset, as pretraining takes it
+
+
+def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_model):
+    import datasets
+    import yaml
+    from conftest import DATA
+
+    from fat5.errors import FAT5Error
+    from fat5.trainer.finetune import finetune, load_finetune_config, load_raw_datasets
+
+    def config(train, validation=None, **training):
+        return {"task": "seq2seq", "model": str(tiny_model), "output_dir": str(tmp_path / "run"),
+                "data": {"train_file": train, "validation_file": validation, "text_column": "document",
+                         "target_column": "summary", "max_target_length": 16},
+                "training": {"per_device_train_batch_size": 4, "disable_tqdm": True, "report_to": "none",
+                             "save_strategy": "no", "use_cpu": True, **training}}
+
+    expected = load_raw_datasets(load_finetune_config(config(str(DATA)))["data"])["train"]
+    whole = datasets.Dataset.from_list(expected.to_list())
+    whole.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict(train=whole.select(range(20)), validation=whole.select(range(20, 30))).save_to_disk(
+        tmp_path / "saved_dict"
+    )
+    from_folder = load_raw_datasets(load_finetune_config(config(str(tmp_path / "saved")))["data"])
+    assert from_folder["train"].to_list() == expected.to_list()
+    from_dict = load_raw_datasets(
+        load_finetune_config(config(str(tmp_path / "saved_dict"), str(tmp_path / "saved_dict")))["data"]
+    )
+    assert len(from_dict["train"]) == 20 and from_dict["validation"].to_list() == whole.select(range(20, 30)).to_list()
+    (tmp_path / "not_saved").mkdir()
+    with pytest.raises(FAT5Error, match="not one written by datasets' save_to_disk"):
+        load_raw_datasets(load_finetune_config(config(str(tmp_path / "not_saved")))["data"])
+
+    result = finetune(config(whole.select(range(16)), max_steps=2))
+    assert any(entry.get("train_loss", 0) > 0 for entry in result["log_history"])
+    written = yaml.safe_load((tmp_path / "run" / "finetune_config.yaml").read_text())
+    assert "16 rows" in written["data"]["train_file"]
