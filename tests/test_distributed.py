@@ -196,10 +196,10 @@ def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model
         # padded batches differ in width: the job's padding share needs both ranks' tokens and slots
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(double / "model")
+    model = AutoModelForSeq2SeqLM.from_pretrained(double)
     assert isinstance(model, FAT5ForConditionalGeneration)
-    weights_one = load_file(single / "model" / "model.safetensors")
-    weights_two = load_file(double / "model" / "model.safetensors")
+    weights_one = load_file(single / "model.safetensors")
+    weights_two = load_file(double / "model.safetensors")
     assert weights_one.keys() == weights_two.keys()
     for name, value in weights_one.items():
         torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
@@ -282,11 +282,11 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
     # on the CPU (float32) the one-batch run is 4-5% off at its farthest step: bf16 noise must stay well inside that
     assert deviation < wrong_share / 3, f"{accelerate_config}: {deviation:.2e} off, a wrong share {wrong_share:.2e}"
 
-    saved = load_file(double / "model" / "model.safetensors")
-    expected = load_file(reference / "model" / "model.safetensors")
+    saved = load_file(double / "model.safetensors")
+    expected = load_file(reference / "model.safetensors")
     assert {name: value.shape for name, value in saved.items()} == {name: value.shape for name, value in expected.items()}
-    assert evaluation_loss(double / "model") == pytest.approx(evaluation_loss(reference / "model"), rel=tolerance)
-    assert not (double / "model.tmp").exists()
+    assert evaluation_loss(double) == pytest.approx(evaluation_loss(reference), rel=tolerance)
+    assert not (double / ".final-model.tmp").exists()
 
 
 FSDP_WORKER = """
