@@ -26,7 +26,11 @@ from .ul2 import UL2Objective, UL2Plan
 
 
 class PlannedExample(NamedTuple):
-    """One planned example: a slice of source ``source`` with its denoiser, counts and place in a batch."""
+    """One planned example: a slice of source ``source`` with its denoiser, counts and place in a batch.
+
+    ``batch_rows`` and ``target_width`` are the shape of its batch when batches come in fixed shapes (see
+    :class:`ShapeBuckets`): the collator then pads the batch to that many rows, the encoder to ``max_input_length``
+    and the decoder to ``target_width``; 0 where the shape follows the batch's content."""
 
     source: int
     start: int
@@ -36,6 +40,8 @@ class PlannedExample(NamedTuple):
     num_spans: int
     row: int
     rng_key: tuple[int, ...]
+    batch_rows: int = 0
+    target_width: int = 0
 
 
 def round_up(value: int, multiple: int | None) -> int:
