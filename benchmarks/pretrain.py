@@ -155,24 +155,35 @@ def step_flops(inputs: dict, counts: tuple[int, int, int], config) -> torch.Tens
 class StepRecorder:
     """What each optimizer step did, kept on the device until the run ends (reading it every step would make the
     host wait for the GPU): loss, real tokens, positions, FLOPs; plus the wall clock every ``window`` steps, taken
-    after a synchronisation, and the steps that met a new batch shape (they compile)."""
+    after a synchronisation, and, when ``compiled``, the steps that met a new batch shape (they compile; an eager
+    model's do not)."""
 
-    def __init__(self, counts, config, window: int):
-        self.counts, self.config, self.window = counts, config, window
+    def __init__(self, counts, config, window: int, compiled: bool = True):
+        self.counts, self.config, self.window, self.compiled = counts, config, window, compiled
         self.losses, self.tokens, self.positions, self.flops = {}, {}, {}, {}
         self.shapes, self.new_shape_steps, self.clock = set(), set(), []
 
-    def add(self, step: int, loss: torch.Tensor, inputs: dict) -> None:
+    def measure(self, step: int, inputs: dict) -> None:
+        """Count a micro-batch of ``step`` (before the Trainer's forward, which may take the labels out)."""
         real = (inputs["segment_ids"] > 0).sum() if "segment_ids" in inputs else inputs["attention_mask"].sum()
         real = real + (inputs["labels"] != -100).sum()
         shape = tuple(tuple(value.shape) for value in inputs.values() if isinstance(value, torch.Tensor))
         if shape not in self.shapes:
             self.shapes.add(shape)
-            self.new_shape_steps.add(step)
-        for store, value in ((self.losses, loss.detach().float()), (self.tokens, real),
-                             (self.flops, step_flops(inputs, self.counts, self.config))):
-            store[step] = store[step] + value if step in store else value
+            if self.compiled:
+                self.new_shape_steps.add(step)
+        self._add(self.tokens, step, real)
+        self._add(self.flops, step, step_flops(inputs, self.counts, self.config))
         self.positions[step] = self.positions.get(step, 0) + inputs["input_ids"].numel() + inputs["labels"].numel()
+
+    def add_loss(self, step: int, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, as the Trainer returns it: its share of the step's mean."""
+        # a copy: under CUDA graphs the loss lives in the graph's output buffer, which the next replay overwrites
+        self._add(self.losses, step, loss.detach().float().clone())
+
+    @staticmethod
+    def _add(store: dict, step: int, value) -> None:
+        store[step] = store[step] + value if step in store else value
 
     def tick(self, step: int, device: torch.device) -> None:
         if step % self.window == 0 or not self.clock:
@@ -223,9 +234,10 @@ def recording_trainer(base):
         recorder: StepRecorder = None
 
         def training_step(self, model, inputs, *args, **kwargs):
-            loss = super().training_step(model, inputs, *args, **kwargs)
             # the step being made is the one after those done
-            self.recorder.add(self.state.global_step + 1, loss, inputs)
+            self.recorder.measure(self.state.global_step + 1, inputs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            self.recorder.add_loss(self.state.global_step + 1, loss)
             return loss
 
     return Recording
@@ -245,20 +257,61 @@ def clock_callback(recorder: StepRecorder, device: torch.device):
     return Clock()
 
 
-class ChunkedBatches:
-    """Each batch of a batch sampler, its examples sorted by length and cut into ``chunks`` micro-batches (one
-    optimizer step accumulates them): the same examples per step as the packed run, one per row."""
+class UnpackedSteps(torch.utils.data.IterableDataset):
+    """The examples of each packed batch, one per row: the packed collator's own batch taken apart (so the UL2
+    corruption is the very one FAT5 trains on), sorted by encoder length, cut into ``chunks`` micro-batches each
+    padded to its longest (one optimizer step accumulates them). Epoch ``e`` gives the packed sampler's epoch ``e``.
+    """
 
-    def __init__(self, sampler, chunks: int):
-        self.sampler, self.chunks = sampler, chunks
+    def __init__(self, dataset, sampler, collator, chunks: int, pad_token_id: int):
+        self.dataset, self.sampler, self.collator = dataset, sampler, collator
+        self.chunks, self.pad_token_id = chunks, pad_token_id
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        for batch in self.sampler:
-            ordered = sorted(batch, key=lambda example: example.length)
-            yield from (list(chunk) for chunk in np.array_split(np.array(ordered, dtype=object), self.chunks))
+        from fat5.trainer.packing import PlannedDataset
 
-    def __len__(self):
-        return len(self.sampler) * self.chunks
+        planned = PlannedDataset(self.dataset)
+        for batch in self.sampler:
+            examples = sorted(unpacked_examples(self.collator([planned[example] for example in batch])),
+                              key=lambda example: len(example[0]))
+            for chunk in np.array_split(np.arange(len(examples)), self.chunks):
+                yield padded_batch([examples[i] for i in chunk.tolist()], self.pad_token_id)
+
+
+def unpacked_examples(batch: dict) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``(input_ids, decoder_input_ids, labels)`` of every example of a packed batch."""
+    segments, decoder_segments = batch["segment_ids"].numpy(), batch["decoder_segment_ids"].numpy()
+    input_ids, decoder_input_ids = batch["input_ids"].numpy(), batch["decoder_input_ids"].numpy()
+    labels = batch["labels"].numpy()
+    examples = []
+    for row in range(segments.shape[0]):
+        for segment in range(1, int(segments[row].max(initial=0)) + 1):
+            encoder, decoder = segments[row] == segment, decoder_segments[row] == segment
+            examples.append((input_ids[row][encoder], decoder_input_ids[row][decoder], labels[row][decoder]))
+    return examples
+
+
+def padded_batch(examples, pad_token_id: int, multiple: int = 8) -> dict:
+    """T5's padded batch (attention masks, labels -100 on padding) of ``examples``, widths rounded to ``multiple``."""
+    encoder_width = -(-max(len(example[0]) for example in examples) // multiple) * multiple
+    decoder_width = -(-max(len(example[1]) for example in examples) // multiple) * multiple
+    batch = {
+        "input_ids": np.full((len(examples), encoder_width), pad_token_id),
+        "attention_mask": np.zeros((len(examples), encoder_width), dtype=np.int64),
+        "decoder_input_ids": np.full((len(examples), decoder_width), pad_token_id),
+        "decoder_attention_mask": np.zeros((len(examples), decoder_width), dtype=np.int64),
+        "labels": np.full((len(examples), decoder_width), -100),
+    }
+    for row, (inputs, decoder_inputs, labels) in enumerate(examples):
+        batch["input_ids"][row, : len(inputs)] = inputs
+        batch["attention_mask"][row, : len(inputs)] = 1
+        batch["decoder_input_ids"][row, : len(decoder_inputs)] = decoder_inputs
+        batch["decoder_attention_mask"][row, : len(decoder_inputs)] = 1
+        batch["labels"][row, : len(labels)] = labels
+    return {key: torch.from_numpy(value.astype(np.int64)) for key, value in batch.items()}
 
 
 def training_arguments(args, output_dir: str, seed: int, **extra):
@@ -295,27 +348,36 @@ def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch
     from torch.utils.data import DataLoader
     from transformers import Seq2SeqTrainer
 
-    from fat5.trainer.packing import PlannedDataset
+    steps = UnpackedSteps(dataset, sampler, collator, args.transformers_chunks, model.config.pad_token_id)
 
     class PlainTrainer(Seq2SeqTrainer):
-        """What a user writes to feed Seq2SeqTrainer from a batch sampler."""
+        """Seq2SeqTrainer fed ready padded batches (one worker keeps each step's micro-batches together)."""
 
         def get_train_dataloader(self):
-            loader = DataLoader(PlannedDataset(dataset), batch_sampler=ChunkedBatches(sampler, args.transformers_chunks),
-                                collate_fn=collator, num_workers=self.args.dataloader_num_workers,
+            loader = DataLoader(steps, batch_size=None, num_workers=min(self.args.dataloader_num_workers, 1),
                                 pin_memory=self.args.dataloader_pin_memory)
             return self.accelerator.prepare(loader)
 
     trainer = recording_trainer(PlainTrainer)(
         model=model, args=training_arguments(args, scratch, seed, gradient_accumulation_steps=args.transformers_chunks),
-        train_dataset=dataset, data_collator=collator,
+        train_dataset=steps, compute_loss_func=token_mean_loss,
     )
-    return train(trainer, model, args)
+    return train(trainer, model, args, compiled=False)
 
 
-def train(trainer, model, args) -> dict:
+def token_mean_loss(outputs, labels, num_items_in_batch=None):
+    """The cross-entropy summed over the micro-batch's labelled tokens, over those of the whole step: the step's
+    mean, as FAT5's loss is. (T5's forward takes ``**kwargs``, so the Trainer passes it the step's token count and
+    leaves its loss unscaled, but T5 ignores the count: each micro-batch's mean would add up, not average.)"""
+    logits = outputs.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device),
+                                             ignore_index=-100, reduction="sum")
+    return loss / num_items_in_batch
+
+
+def train(trainer, model, args, compiled: bool = True) -> dict:
     device = torch.device(args.device)
-    trainer.recorder = StepRecorder(parameter_counts(model), model.config, args.window)
+    trainer.recorder = StepRecorder(parameter_counts(model), model.config, args.window, compiled)
     trainer.add_callback(clock_callback(trainer.recorder, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -404,8 +466,9 @@ def main(argv=None) -> None:
         name = torch.cuda.get_device_name(0)
         args.peak_tflops = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
         # one graph per batch shape: a few buckets, and a rare second segment capacity per bucket
-        torch._dynamo.config.recompile_limit = 64
-        torch._dynamo.config.cache_size_limit = 64
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 64)
 
     from fat5.trainer.collator import UL2DataCollator
     from fat5.trainer.packing import UL2PackedBatchSampler
@@ -418,7 +481,6 @@ def main(argv=None) -> None:
     lengths = np.array([len(record["input_ids"]) for record in dataset])
     lengths_options = {"max_input_length": data["max_input_length"], "max_target_length": data["max_target_length"]}
     packed = UL2DataCollator(tokenizer, packed=True, **lengths_options)
-    padded = UL2DataCollator(tokenizer, packed=False, objective=packed.objective)
     runs = []
     with tempfile.TemporaryDirectory(prefix="fat5-pretrain-benchmark-") as scratch:
         for initialization in args.initialization:
@@ -432,11 +494,13 @@ def main(argv=None) -> None:
                     logger.info("%s path, initialization %s, seed %d: %d steps", path, initialization, seed,
                                 args.steps)
                     run = {"path": path, "initialization": initialization, "seed": seed}
+                    # both paths start at the sampler's first epoch
+                    sampler.set_epoch(0)
                     try:
                         if path == "fat5":
                             run.update(run_fat5(args, model, dataset, packed, sampler, seed, scratch))
                         else:
-                            run.update(run_transformers(args, model, dataset, padded, sampler, seed, scratch))
+                            run.update(run_transformers(args, model, dataset, packed, sampler, seed, scratch))
                     except torch.cuda.OutOfMemoryError as error:
                         logger.warning("%s path ran out of memory: %s", path, str(error).splitlines()[0])
                         run["error"] = "out of memory: " + str(error).splitlines()[0]
