@@ -40,7 +40,7 @@ steps beside it.
 
     python benchmarks/pretrain.py --shape base --out benchmarks/results/pretrain_base.json
     python benchmarks/pretrain.py --shape small --runs fat5 --steps 300
-    python benchmarks/pretrain.py --shape tiny --device cpu --steps 6     # the whole path on a CPU (no MFU)
+    python benchmarks/pretrain.py --tiny      # the whole path on a CPU in a minute or two (no MFU)
 """
 
 from __future__ import annotations
@@ -445,12 +445,17 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
     parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true",
+                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
     parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing result file")
     args = parser.parse_args(argv)
     if args.plot_only:
         redraw(plot, args.plot_only)
         return
+    if args.tiny:
+        args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120
+        args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     paths = [path.strip() for path in args.runs.split(",") if path.strip()]
     if not paths or set(paths) - {"fat5", "transformers"}:

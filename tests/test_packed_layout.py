@@ -285,3 +285,42 @@ def test_packed_training_step_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(torch.stack(losses)).all()
+
+
+def test_packed_step_equals_transformers_t5_on_the_examples_one_per_row():
+    """The independent truth: transformers' T5 with the same weights, each example of the fixed-shape packed batch
+    in its own padded row, gives the same loss (mean over the labelled tokens) and gradients."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    batches, _ = bucketed_batches([50, 12, 30, 7, 21, 9], max_input_length=32, buckets=1, tokens_per_batch=400)
+    batch = batches[0]
+    model = tiny_model(backend="reference")
+    config = model.config
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
+        feed_forward_proj=config.feed_forward_proj, tie_word_embeddings=config.tie_word_embeddings,
+        decoder_start_token_id=0, pad_token_id=0,
+    ))
+    if not config.tie_word_embeddings and t5.lm_head.weight is t5.shared.weight:
+        t5.lm_head.weight = torch.nn.Parameter(t5.shared.weight.detach().clone())
+    t5.load_state_dict(model.state_dict(), strict=False)
+    examples = []
+    for row in range(batch["input_ids"].shape[0]):
+        for segment in range(1, int(batch["segment_ids"][row].max()) + 1):
+            encoder, decoder = batch["segment_ids"][row] == segment, batch["decoder_segment_ids"][row] == segment
+            examples.append((batch["input_ids"][row][encoder], batch["decoder_input_ids"][row][decoder],
+                             batch["labels"][row][decoder]))
+    padded = {name: torch.nn.utils.rnn.pad_sequence([example[i] for example in examples], batch_first=True,
+                                                    padding_value=pad)
+              for i, (name, pad) in enumerate((("input_ids", 0), ("decoder_input_ids", 0), ("labels", -100)))}
+    padded["attention_mask"] = torch.nn.utils.rnn.pad_sequence(
+        [torch.ones(len(example[0]), dtype=torch.long) for example in examples], batch_first=True)
+    padded["decoder_attention_mask"] = (padded["labels"] != -100).long()
+    assert len(examples) > batch["input_ids"].shape[0] - 2, "several examples share rows"
+
+    fat5_loss, fat5_gradients = loss_and_gradients(model, batch)
+    t5_loss, t5_gradients = loss_and_gradients(t5, padded)
+    torch.testing.assert_close(fat5_loss, t5_loss, rtol=1e-5, atol=1e-5)
+    for name in ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                 "decoder.block.1.layer.1.EncDecAttention.q.weight", "shared.weight"):
+        torch.testing.assert_close(fat5_gradients[name], t5_gradients[name], rtol=1e-4, atol=1e-6, msg=name)
