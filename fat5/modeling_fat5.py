@@ -49,7 +49,8 @@ class TokenLayout:
     where the row holds fewer examples) and a last one for its padding tail. The segments then follow the tokens'
     own row-major order, so the hidden states reach the varlen attention as a view, with no gather or scatter; a
     padding tail attends only to itself, and the loss never reads what it produces. ``examples`` says which example
-    slots of each row hold tokens (the decoder's must match the encoder's). ``position_ids`` restart at 0 in every
+    slots of each row hold tokens (the decoder's must match the encoder's; None for a layout the caller built, see
+    :meth:`given`). ``position_ids`` restart at 0 in every
     segment (packed) or start at ``query_offset``, the cache length when decoding: an int, or a one-element tensor
     with a static cache, whose length lives on the device.
     """
