@@ -340,7 +340,9 @@ def shape_buckets_for(
         plan, row_of, num_rows = _packed_rows(objective, np.asarray(lengths, dtype=np.int64),
                                               np.random.default_rng([seed, 1 << 20]))
         fill = np.bincount(row_of, weights=plan.target_length, minlength=num_rows)
-        widths = choose_target_widths(fill, int(count_or_widths), max_target, multiple)
+        # short decoders (the CPU default job's 64) get finer steps than 64 positions
+        step = min(multiple, max(8, round_up(max_target, 8) // 8))
+        widths = choose_target_widths(fill, int(count_or_widths), max_target, step)
     else:
         widths = [int(width) for width in count_or_widths]
         if max(widths) < max_target:
