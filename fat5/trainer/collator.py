@@ -8,7 +8,12 @@ Packed batch (several examples per row, no ``attention_mask``):
     ``input_ids`` (B, Lenc), ``segment_ids`` (B, Lenc) int32, 1..n for the n-th example of the row and 0 on
     padding; ``decoder_input_ids``, ``decoder_segment_ids`` (B, Ldec) the same way, decoder segment ``s`` holding
     the targets of encoder segment ``s``, shifted right per segment (each starts with the decoder start token);
-    ``labels`` (B, Ldec) with -100 on padding.
+    ``labels`` (B, Ldec) with -100 on padding. With ``return_layout`` (the default) also the layout that the model
+    would otherwise derive on the device, reading it back to the host: ``cu_seqlens`` (S + 1,) int32, the offsets
+    of the segments in the row-major tokens, each row cut into its examples then its padding tail (when the
+    encoder's or the decoder's row has one), then empty segments up to a capacity S; ``segment_position_ids``
+    (B, Lenc), each token's position in its segment; ``decoder_cu_seqlens`` and ``decoder_segment_position_ids`` the
+    same for the decoder, segment for segment.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class UL2DataCollator:
         placement, span_count_rounding: see :mod:`fat5.trainer.ul2` (default ``"uniform"``, ``"stochastic"``).
         input_key: the key of the token sequence in each feature.
         return_tensors: ``"pt"`` (torch tensors) or ``"np"``.
+        return_layout: packed batches also carry their layout (``cu_seqlens``, ``segment_position_ids`` and the
+            decoder's), so that the model reads nothing back from the device to build it.
 
     Features are dicts with ``input_ids`` (a token sequence without special tokens; one trailing EOS is dropped)
     or bare sequences. Features made by :class:`~fat5.trainer.packing.PlannedDataset` carry their plan
@@ -65,6 +72,7 @@ class UL2DataCollator:
         input_key: str = "input_ids",
         pad_token_id: int | None = None,
         return_tensors: str = "pt",
+        return_layout: bool = True,
     ):
         if return_tensors not in ("pt", "np"):
             raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
@@ -101,6 +109,7 @@ class UL2DataCollator:
         self.seed = seed
         self.input_key = input_key
         self.return_tensors = return_tensors
+        self.return_layout = return_layout
         self._rng: np.random.Generator | None = None
         self._rng_worker: int | None = None
 
@@ -180,7 +189,12 @@ class UL2DataCollator:
                 index, plan.length[chosen], plan.num_noise[chosen], plan.num_spans[chosen]
             )
         rows = np.array([p.row for p in plans], dtype=np.int64) if self.packed else None
-        return self.collate_plan(sequences, plan, rows, np.random.default_rng(list(next(iter(keys)))))
+        shapes = {(p.batch_rows, p.target_width) for p in plans}
+        if len(shapes) != 1:
+            raise ValueError("the planned features of one batch must share one batch shape")
+        shape = next(iter(shapes))
+        return self.collate_plan(sequences, plan, rows, np.random.default_rng(list(next(iter(keys)))),
+                                 shape=shape if shape[0] else None)
 
     def collate_plan(
         self,
@@ -188,14 +202,19 @@ class UL2DataCollator:
         plan: UL2Plan,
         rows: np.ndarray | None,
         rng: np.random.Generator,
+        shape: tuple[int, int] | None = None,
     ) -> dict:
         """Realize ``plan`` on ``sequences`` (indexed by ``plan.source``) and lay it out: one example per row
-        when padded, or in ``rows`` (row index of each example; examples of a row in plan order) when packed."""
+        when padded, or in ``rows`` (row index of each example; examples of a row in plan order) when packed.
+
+        ``shape``: ``(rows, decoder width)`` of a packed batch of fixed shape (the encoder's width is then
+        ``max_input_length``, and the segment capacity a power of two per row, at least 4), padded with empty rows
+        as needed; None lets the content set the widths."""
         corrupted = self.objective.realize(gather_slices(sequences, plan), plan, rng)
         if self.packed:
             if rows is None:
                 raise ValueError("a packed collator needs the row of each example")
-            return self._packed_batch(corrupted, np.asarray(rows, dtype=np.int64))
+            return self._packed_batch(corrupted, np.asarray(rows, dtype=np.int64), shape)
         return self._padded_batch(corrupted)
 
     def _width(self, fill: int, limit: int | None) -> int:
@@ -231,14 +250,23 @@ class UL2DataCollator:
         decoder_input_ids[segment_starts] = self.decoder_start_token_id
         return decoder_input_ids
 
-    def _packed_batch(self, corrupted: CorruptedBatch, rows: np.ndarray) -> dict:
+    def _packed_batch(self, corrupted: CorruptedBatch, rows: np.ndarray, shape: tuple[int, int] | None) -> dict:
         num_rows = int(rows.max(initial=-1)) + 1
-        in_row, in_col, in_seg, _, in_width = self._layout(
+        if shape is not None:
+            if shape[0] < num_rows:
+                raise ValueError(f"a batch planned for {shape[0]} rows fills {num_rows}")
+            num_rows = shape[0]
+        in_row, in_col, in_seg, in_start, in_width = self._layout(
             corrupted.input_offsets, rows, num_rows, self.max_input_length
         )
         tg_row, tg_col, tg_seg, tg_start, tg_width = self._layout(
             corrupted.target_offsets, rows, num_rows, self.max_target_length
         )
+        if shape is not None:
+            fills = (in_width, tg_width)
+            in_width, tg_width = self.max_input_length, shape[1]
+            if fills[0] > in_width or fills[1] > tg_width:
+                raise ValueError(f"a batch planned for widths {(in_width, tg_width)} needs {fills}")
         input_ids = np.full((num_rows, in_width), self.pad_token_id, dtype=np.int64)
         segment_ids = np.zeros((num_rows, in_width), dtype=np.int32)
         input_ids[in_row, in_col] = corrupted.inputs
@@ -254,6 +282,11 @@ class UL2DataCollator:
             "decoder_segment_ids": decoder_segment_ids,
             "labels": labels,
         }
+        if self.return_layout:
+            batch.update(packed_layout(
+                rows, np.diff(corrupted.input_offsets), np.diff(corrupted.target_offsets), num_rows,
+                (in_width, tg_width), (in_start, tg_start), fixed_capacity=shape is not None,
+            ))
         return self._to_tensors(batch)
 
     def _padded_batch(self, corrupted: CorruptedBatch) -> dict:
@@ -283,3 +316,52 @@ class UL2DataCollator:
         import torch
 
         return {key: torch.from_numpy(value) for key, value in batch.items()}
+
+
+def packed_layout(
+    rows: np.ndarray,
+    input_lengths: np.ndarray,
+    target_lengths: np.ndarray,
+    num_rows: int,
+    widths: tuple[int, int],
+    column_starts: tuple[np.ndarray, np.ndarray],
+    fixed_capacity: bool = False,
+) -> dict:
+    """The varlen layout of packed rows, encoder and decoder, as :class:`UL2DataCollator` describes it.
+
+    Example ``i`` sits in row ``rows[i]`` at encoder column ``column_starts[0][i]`` (``input_lengths[i]`` tokens)
+    and decoder column ``column_starts[1][i]``; rows are ``widths`` wide. Each row gives one segment per example, in
+    column order, then one for its padding tail unless neither stack's row has one (the pair would be empty on both
+    sides). With ``fixed_capacity`` the segments are padded with empty ones to ``num_rows`` times a power of two (at
+    least 4), so that batches of one shape nearly always have one ``cu_seqlens`` length.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = (np.asarray(input_lengths, dtype=np.int64), np.asarray(target_lengths, dtype=np.int64))
+    fills = [np.bincount(rows, weights=length, minlength=num_rows).astype(np.int64) for length in lengths]
+    tails = [width - fill for width, fill in zip(widths, fills)]
+    has_tail = (tails[0] > 0) | (tails[1] > 0)
+    examples = np.lexsort((column_starts[0], rows))
+    # the segments in token order: by row, a row's examples by column, then its tail
+    segment_rows = np.concatenate([rows[examples], np.flatnonzero(has_tail)])
+    is_tail = np.repeat([0, 1], [len(examples), int(has_tail.sum())])
+    segment_order = np.lexsort((is_tail, segment_rows))
+    num_segments = len(segment_order)
+    capacity = num_segments
+    if fixed_capacity:
+        per_row = -(-num_segments // max(num_rows, 1))
+        capacity = max(4, 1 << (per_row - 1).bit_length()) * num_rows
+    layout = {}
+    for stack, length, fill, tail, width, starts in zip(("", "decoder_"), lengths, fills, tails, widths, column_starts):
+        segment_lengths = np.concatenate([length[examples], tail[has_tail]])[segment_order]
+        cu_seqlens = np.full(capacity + 1, num_rows * width, dtype=np.int32)
+        cu_seqlens[0] = 0
+        cu_seqlens[1 : num_segments + 1] = np.cumsum(segment_lengths)
+        # each token's position in its segment: counted from its row's tail, then, for example tokens, from the
+        # example's first column
+        positions = np.arange(width)[None, :] - fill[:, None]
+        token_start = np.repeat(starts, length)
+        token_column = token_start + np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+        positions[np.repeat(rows, length), token_column] = token_column - token_start
+        layout[f"{stack}cu_seqlens"] = cu_seqlens
+        layout[f"{stack}segment_position_ids"] = positions
+    return layout

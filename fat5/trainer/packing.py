@@ -26,7 +26,11 @@ from .ul2 import UL2Objective, UL2Plan
 
 
 class PlannedExample(NamedTuple):
-    """One planned example: a slice of source ``source`` with its denoiser, counts and place in a batch."""
+    """One planned example: a slice of source ``source`` with its denoiser, counts and place in a batch.
+
+    ``batch_rows`` and ``target_width`` are the shape of its batch when batches come in fixed shapes (see
+    :class:`ShapeBuckets`): the collator then pads the batch to that many rows, the encoder to ``max_input_length``
+    and the decoder to ``target_width``; 0 where the shape follows the batch's content."""
 
     source: int
     start: int
@@ -36,6 +40,8 @@ class PlannedExample(NamedTuple):
     num_spans: int
     row: int
     rng_key: tuple[int, ...]
+    batch_rows: int = 0
+    target_width: int = 0
 
 
 def round_up(value: int, multiple: int | None) -> int:
@@ -167,6 +173,102 @@ def padding_stats(batch: Mapping) -> dict[str, float]:
     }
 
 
+class ShapeBuckets(NamedTuple):
+    """The fixed shapes of packed batches: rows of ``input_width`` encoder tokens and, for bucket ``b``,
+    ``rows[b]`` rows of ``target_widths[b]`` decoder tokens (widths ascending).
+
+    A compiled step (CUDA graphs, or regional compilation) is then captured once per shape and replayed, where
+    batches whose shapes follow their content would recompile or re-record at nearly every step."""
+
+    input_width: int
+    target_widths: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    @classmethod
+    def for_budget(cls, input_width: int, target_widths, tokens_per_batch: int | None = None,
+                   rows_per_batch: int | None = None) -> ShapeBuckets:
+        """Buckets of ``rows_per_batch`` rows each, or of as many rows as ``tokens_per_batch`` positions (encoder
+        and decoder) hold at each width."""
+        if (rows_per_batch is None) == (tokens_per_batch is None):
+            raise ValueError("give exactly one of rows_per_batch and tokens_per_batch")
+        widths = tuple(sorted({int(width) for width in target_widths}))
+        if not widths or widths[0] < 1:
+            raise ValueError(f"the decoder widths of the shape buckets must be >= 1, got {list(target_widths)}")
+        if rows_per_batch is not None:
+            rows = (int(rows_per_batch),) * len(widths)
+        else:
+            rows = tuple(max(1, int(tokens_per_batch) // (input_width + width)) for width in widths)
+        return cls(int(input_width), widths, rows)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """``(rows, encoder width, decoder width)`` of each bucket."""
+        return [(rows, self.input_width, width) for rows, width in zip(self.rows, self.target_widths)]
+
+
+def choose_target_widths(target_fill: np.ndarray, count: int, max_width: int, multiple: int = 64) -> list[int]:
+    """The ``count`` decoder widths, multiples of ``multiple`` below ``max_width`` or ``max_width`` rounded up to a
+    multiple of 8, that leave the fewest padding positions when each row (of ``target_fill`` decoder tokens) takes
+    the narrowest width that holds it.
+
+    The widest is always ``max_width`` rounded up to a multiple of 8, so that any row a packer makes fits one."""
+    if count < 1:
+        raise ValueError(f"the number of shape buckets must be >= 1, got {count}")
+    fill = np.sort(np.asarray(target_fill, dtype=np.int64))
+    widest = round_up(max_width, 8)
+    candidates = np.append(np.arange(multiple, widest, multiple), widest)
+    # rows at most each candidate wide, and their tokens
+    rows_upto = np.searchsorted(fill, candidates, side="right")
+    tokens_upto = np.concatenate([[0], np.cumsum(fill)])[rows_upto]
+    rows_upto, tokens_upto = np.concatenate([[0], rows_upto]), np.concatenate([[0], tokens_upto])
+    num = len(candidates)
+    # best[k][j]: least padding of the rows up to candidate j with k widths, the widest being candidate j
+    best = np.full((count + 1, num + 1), np.inf)
+    choice = np.zeros((count + 1, num + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, count + 1):
+        for j in range(1, num + 1):
+            previous = np.arange(j)
+            padding = (candidates[j - 1] * (rows_upto[j] - rows_upto[previous])
+                       - (tokens_upto[j] - tokens_upto[previous]))
+            costs = best[k - 1, previous] + padding
+            choice[k, j] = int(np.argmin(costs))
+            best[k, j] = costs[choice[k, j]]
+    k = int(np.argmin(best[1:, num])) + 1  # fewer widths when more would not cut the padding
+    widths, j = [], num
+    while j > 0 and k > 0:
+        widths.append(int(candidates[j - 1]))
+        j, k = choice[k, j], k - 1
+    return sorted(widths)
+
+
+def bucket_batches(
+    row_target_fill: np.ndarray, buckets: ShapeBuckets, drop_last: bool = False,
+    rng: np.random.Generator | None = None,
+) -> list[tuple[np.ndarray, int]]:
+    """Cut rows into batches of the buckets' shapes: ``(rows, bucket index)`` for each.
+
+    Rows are taken in order of decoder fill; each batch takes the narrowest bucket whose width holds all of its
+    rows, so only the last batch can have fewer rows than its bucket (the collator pads it with empty rows, or
+    ``drop_last`` drops it). The batches come out in random order when ``rng`` is given."""
+    fill = np.asarray(row_target_fill, dtype=np.int64)
+    if len(fill) and fill.max() > buckets.target_widths[-1]:
+        raise ValueError(f"a row fills {fill.max()} decoder positions, more than the widest bucket "
+                         f"({buckets.target_widths[-1]})")
+    order = np.argsort(fill, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        for index, (width, rows) in enumerate(zip(buckets.target_widths, buckets.rows)):
+            end = min(start + rows, len(order))
+            if fill[order[end - 1]] <= width:
+                break
+        if end - start == rows or not drop_last:
+            batches.append((order[start:end], index))
+        start = end
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
 def plan_packed_batches(
     objective: UL2Objective,
     lengths: np.ndarray,
@@ -177,33 +279,76 @@ def plan_packed_batches(
     group_by_length: bool = True,
     pad_to_multiple_of: int | None = 8,
     split_long: bool = True,
-) -> tuple[UL2Plan, list[tuple[np.ndarray, np.ndarray]]]:
+    buckets: ShapeBuckets | None = None,
+    drop_last: bool = False,
+) -> tuple[UL2Plan, list[tuple[np.ndarray, np.ndarray, tuple[int, int] | None]]]:
     """Plan examples for sources of ``lengths`` tokens, pack them into rows and the rows into batches.
 
-    Returns the plan and, for each batch, ``(example_indices, row_within_batch)`` into that plan.
+    Returns the plan and, for each batch, ``(example_indices, row_within_batch, shape)`` into that plan; ``shape``
+    is the ``(rows, decoder width)`` of the batch's bucket with ``buckets`` (see :func:`bucket_batches`), else None.
     """
-    max_target = objective.max_target_length or objective.max_input_length
-    plan = objective.plan(lengths, rng, split_long=split_long)
-    row_of, num_rows = pack_rows(plan.input_length, plan.target_length, objective.max_input_length, max_target)
+    plan, row_of, num_rows = _packed_rows(objective, lengths, rng, split_long)
     target_fill = np.bincount(row_of, weights=plan.target_length, minlength=num_rows).astype(np.int64)
-    batches = batch_rows(
-        target_fill,
-        rows_per_batch=rows_per_batch,
-        tokens_per_batch=tokens_per_batch,
-        input_width=objective.max_input_length,
-        group_by_length=group_by_length,
-        pad_to_multiple_of=pad_to_multiple_of,
-        rng=rng,
-    )
+    if buckets is not None:
+        cut = bucket_batches(target_fill, buckets, drop_last=drop_last, rng=rng)
+        batches = [rows for rows, _ in cut]
+        shapes = [(buckets.rows[index], buckets.target_widths[index]) for _, index in cut]
+    else:
+        batches = batch_rows(
+            target_fill,
+            rows_per_batch=rows_per_batch,
+            tokens_per_batch=tokens_per_batch,
+            input_width=objective.max_input_length,
+            group_by_length=group_by_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            rng=rng,
+        )
+        shapes = [None] * len(batches)
     examples_by_row = np.argsort(row_of, kind="stable")
     row_starts = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=num_rows))])
     result = []
-    for rows in batches:
+    for rows, shape in zip(batches, shapes):
         members = [examples_by_row[row_starts[r] : row_starts[r + 1]] for r in rows.tolist()]
         indices = np.concatenate(members)
         within = np.repeat(np.arange(len(rows)), [len(m) for m in members])
-        result.append((indices, within))
+        result.append((indices, within, shape))
     return plan, result
+
+
+def _packed_rows(objective: UL2Objective, lengths: np.ndarray, rng: np.random.Generator, split_long: bool = True):
+    """The plan of sources of ``lengths`` tokens, the row of each planned example, and the number of rows."""
+    max_target = objective.max_target_length or objective.max_input_length
+    plan = objective.plan(lengths, rng, split_long=split_long)
+    row_of, num_rows = pack_rows(plan.input_length, plan.target_length, objective.max_input_length, max_target)
+    return plan, row_of, num_rows
+
+
+def shape_buckets_for(
+    objective: UL2Objective,
+    lengths: np.ndarray,
+    count_or_widths,
+    *,
+    tokens_per_batch: int | None = None,
+    rows_per_batch: int | None = None,
+    seed: int = 0,
+    multiple: int = 64,
+) -> ShapeBuckets:
+    """Shape buckets for packed UL2 rows: ``count_or_widths`` decoder widths given, or that many chosen from the
+    decoder fill of the rows that the mixture makes of sources of ``lengths`` tokens (one planning, seeded)."""
+    max_target = objective.max_target_length or objective.max_input_length
+    if isinstance(count_or_widths, (int, np.integer)) and not isinstance(count_or_widths, bool):
+        plan, row_of, num_rows = _packed_rows(objective, np.asarray(lengths, dtype=np.int64),
+                                              np.random.default_rng([seed, 1 << 20]))
+        fill = np.bincount(row_of, weights=plan.target_length, minlength=num_rows)
+        # short decoders (the CPU default job's 64) get finer steps than 64 positions
+        step = min(multiple, max(8, round_up(max_target, 8) // 8))
+        widths = choose_target_widths(fill, int(count_or_widths), max_target, step)
+    else:
+        widths = [int(width) for width in count_or_widths]
+        if max(widths) < max_target:
+            raise ValueError(f"the widest shape bucket ({max(widths)}) must hold max_target_length ({max_target})")
+    return ShapeBuckets.for_budget(objective.max_input_length, widths, tokens_per_batch=tokens_per_batch,
+                                   rows_per_batch=rows_per_batch)
 
 
 class UL2PackedBatchSampler:
@@ -217,6 +362,11 @@ class UL2PackedBatchSampler:
     Each epoch, sources are shuffled (seed, epoch) and taken ``pool_size`` at a time; each pool is planned
     (long sources cut into pieces), packed into rows and cut into batches (see :func:`plan_packed_batches`).
     Call :meth:`set_epoch` before each epoch; the batches of an epoch are the same on every call.
+
+    ``shape_buckets``: batches in a few fixed shapes (:class:`ShapeBuckets`): that many decoder widths chosen from
+    the mixture's rows on these sources (an int), or the widths (a list), rows per batch following the budget;
+    ``buckets`` then holds them. With ``drop_last``, a pool's last batch is dropped when it has fewer rows than its
+    shape (else the collator pads it with empty rows).
     """
 
     def __init__(
@@ -233,11 +383,16 @@ class UL2PackedBatchSampler:
         drop_last: bool = False,
         pad_to_multiple_of: int | None = 8,
         seed: int = 0,
+        shape_buckets: int | Sequence[int] | None = None,
     ):
         if (rows_per_batch is None) == (tokens_per_batch is None):
             raise ValueError("give exactly one of rows_per_batch and tokens_per_batch")
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        self.buckets = None
+        if shape_buckets is not None:
+            self.buckets = shape_buckets_for(objective, lengths, shape_buckets, tokens_per_batch=tokens_per_batch,
+                                             rows_per_batch=rows_per_batch, seed=seed)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.objective = objective
         self.rows_per_batch = rows_per_batch
@@ -275,16 +430,20 @@ class UL2PackedBatchSampler:
                 group_by_length=self.group_by_length,
                 pad_to_multiple_of=self.pad_to_multiple_of,
                 split_long=self.split_long,
+                buckets=self.buckets,
+                drop_last=self.drop_last,
             )
-            if self.drop_last and self.rows_per_batch is not None:
+            if self.drop_last and self.rows_per_batch is not None and self.buckets is None:
                 pool_batches = [b for b in pool_batches if b[1].max(initial=-1) + 1 == self.rows_per_batch]
             columns = (sources[plan.source], plan.start, plan.length, plan.denoiser, plan.num_noise, plan.num_spans)
             columns = [c.tolist() for c in columns]
-            for indices, rows in pool_batches:
+            for indices, rows, shape in pool_batches:
                 key = (self.seed, epoch, len(batches))
+                shape_rows, target_width = shape or (0, 0)
                 batches.append(
                     [
-                        PlannedExample(*(c[i] for c in columns), row=r, rng_key=key)
+                        PlannedExample(*(c[i] for c in columns), row=r, rng_key=key, batch_rows=shape_rows,
+                                       target_width=target_width)
                         for i, r in zip(indices.tolist(), rows.tolist())
                     ]
                 )
@@ -328,14 +487,17 @@ def packed_stream(
     group_by_length: bool = True,
     seed: int = 0,
     input_key: str = "input_ids",
+    shape_buckets: int | Sequence[int] | None = None,
 ) -> Iterator[dict]:
     """Packed batches from a stream of token sequences (lists, arrays or dicts with ``input_key``).
 
     Reads ``pool_size`` sources at a time, plans and packs them like :class:`UL2PackedBatchSampler`, and yields
-    collated batches. Deterministic for a given stream and ``seed``.
+    collated batches. Deterministic for a given stream and ``seed``. ``shape_buckets`` as for the sampler (a count
+    of widths is chosen from the first pool).
     """
     iterator = iter(sources)
     objective = collator.objective
+    buckets = None
     for pool_index in itertools.count():
         pool = [
             np.asarray(s[input_key] if isinstance(s, Mapping) else s, dtype=np.int64)
@@ -344,19 +506,24 @@ def packed_stream(
         if not pool:
             return
         rng = np.random.default_rng([seed, pool_index])
+        lengths = np.array([len(s) for s in pool], dtype=np.int64)
+        if shape_buckets is not None and buckets is None:
+            buckets = shape_buckets_for(objective, lengths, shape_buckets, tokens_per_batch=tokens_per_batch,
+                                        rows_per_batch=rows_per_batch, seed=seed)
         plan, batches = plan_packed_batches(
             objective,
-            np.array([len(s) for s in pool], dtype=np.int64),
+            lengths,
             rng,
             rows_per_batch=rows_per_batch,
             tokens_per_batch=tokens_per_batch,
             group_by_length=group_by_length,
             pad_to_multiple_of=collator.pad_to_multiple_of,
+            buckets=buckets,
         )
-        for batch_index, (indices, rows) in enumerate(batches):
+        for batch_index, (indices, rows, shape) in enumerate(batches):
             sub_plan = plan.select(indices)
             batch_rng = np.random.default_rng([seed, pool_index, batch_index])
-            yield collator.collate_plan(pool, sub_plan, rows, batch_rng)
+            yield collator.collate_plan(pool, sub_plan, rows, batch_rng, shape=shape)
 
 
 class PackedStreamDataset(IterableDataset):

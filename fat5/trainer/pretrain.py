@@ -31,7 +31,7 @@ SECTIONS = ("seed", "model", "tokenizer", "data", "ul2", "training")
 TOKENIZER_KEYS = ("path", "vocab_size", "num_sentinels", "train_on_documents")
 DATA_KEYS = ("corpus", "unit", "eval_fraction", "max_eval_documents", "path", "name", "data_files", "split",
              "eval_split", "streaming", "text_column", "max_input_length", "max_target_length", "tokens_per_batch",
-             "num_proc")
+             "num_proc", "shape_buckets")
 # data lengths and counts the packing computes with; null where the job accepts none
 DATA_INTEGERS = {"max_input_length": False, "tokens_per_batch": False, "max_target_length": True,
                  "max_eval_documents": True, "num_proc": True}
@@ -97,6 +97,16 @@ def _check_sections(settings: dict) -> None:
         # the ids a trained tokenizer has (pad 0, eos 1)
         _model_config(settings["model"], vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=0,
                       eos_token_id=1)
+    buckets = settings["data"].get("shape_buckets")
+    valid = buckets is None or (
+        isinstance(buckets, int) and not isinstance(buckets, bool) and buckets >= 1
+    ) or (
+        isinstance(buckets, list) and buckets
+        and all(isinstance(width, int) and not isinstance(width, bool) and width >= 1 for width in buckets)
+    )
+    if not valid:
+        raise FAT5Error("data.shape_buckets must be null (shapes follow each batch), a number of decoder widths >= 1 "
+                        f"(chosen from the UL2 mixture's rows) or a list of decoder widths, got {buckets!r}")
 
 
 def _check_ul2(ul2) -> None:
@@ -257,12 +267,20 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     )
     tokenize = {"text_column": text_column, "num_proc": data.get("num_proc")}
     train = tokenize_dataset(train_texts, tokenizer, **tokenize)
-    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": seed}
+    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": seed, "shape_buckets": data.get("shape_buckets")}
     train_sampler = None
     if data.get("streaming"):
         train = PackedStreamDataset(train, collator, **batching)
     else:
-        train_sampler = UL2PackedBatchSampler(train["length"], collator.objective, **batching)
+        train_sampler = UL2PackedBatchSampler(
+            train["length"], collator.objective, drop_last=bool(settings["training"].get("dataloader_drop_last")),
+            **batching,
+        )
+        if train_sampler.buckets is not None:
+            # the evaluation batches take the training shapes too
+            batching["shape_buckets"] = list(train_sampler.buckets.target_widths)
+            print("packed batches in shapes (rows, encoder, decoder): "
+                  + ", ".join(str(shape) for shape in train_sampler.buckets.shapes()), flush=True)
     evaluation, eval_sampler = None, None
     if eval_texts is not None and data.get("max_eval_documents"):
         eval_texts = eval_texts.select(range(min(int(data["max_eval_documents"]), len(eval_texts))))

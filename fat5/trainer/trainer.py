@@ -328,7 +328,9 @@ class FAT5Trainer(Seq2SeqTrainer):
     tokens, encoder and labelled decoder positions, per second of wall time from the first training batch after the
     last log to this log, all processes: the evaluations, checkpoints and set-up between windows do not count) and
     ``padding_fraction`` (the share of batch slots that held padding); under several processes each is the figure
-    of the whole job (losses averaged over every process's batches, tokens and slots summed).
+    of the whole job (losses averaged over every process's batches, tokens and slots summed). The first step of
+    each new batch shape logs ``first_step_seconds`` (its wall time, compilation included) and ``batch_shapes``
+    (the shapes seen so far).
 
     ``label_smoothing_factor`` smooths FAT5's fused loss, in training and evaluation, with the z-loss kept (where
     transformers' LabelSmoother, which takes the labels away from the model, would drop it); the model's saved config
@@ -353,6 +355,9 @@ class FAT5Trainer(Seq2SeqTrainer):
             if self._smoothed_loss_config is not None:
                 self.label_smoother = None
         self._reset_window()
+        self._shapes_seen = set()
+        # seconds of the first training step of each batch shape, in order (compilation included)
+        self.first_step_seconds = []
 
     def _get_output_dir(self, trial) -> str:
         # while _save_checkpoint writes, the Trainer's checkpoint-N folder is made in the staging folder
@@ -484,6 +489,22 @@ class FAT5Trainer(Seq2SeqTrainer):
             config.label_smoothing = self.args.label_smoothing_factor
             stack.callback(setattr, config, "label_smoothing", own_smoothing)
         return stack
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        # The first step of each batch shape compiles (Triton kernels; with torch_compile, the graph and its CUDA
+        # graphs): its time is logged, as `first_step_seconds`, so that the cost of a new shape is seen. Packed
+        # batches in a few fixed shapes (data.shape_buckets) pay it once per shape.
+        shape = tuple((key, tuple(value.shape)) for key, value in inputs.items() if isinstance(value, torch.Tensor))
+        if shape in self._shapes_seen:
+            return super().training_step(model, inputs, *args, **kwargs)
+        started = time.perf_counter()
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if loss.device.type == "cuda":
+            torch.cuda.synchronize(loss.device)
+        self._shapes_seen.add(shape)
+        self.first_step_seconds.append(round(time.perf_counter() - started, 3))
+        super().log({"first_step_seconds": self.first_step_seconds[-1], "batch_shapes": len(self._shapes_seen)})
+        return loss
 
     def _reset_window(self) -> None:
         self._window_loss_parts = None
