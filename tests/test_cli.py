@@ -87,3 +87,85 @@ def test_convert_writes_the_weights_in_the_short_named_dtype(tmp_path):
     T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
     assert main(["convert", str(tmp_path / "t5"), str(tmp_path / "fat5"), "--dtype", "bf16"]) == 0
     assert {tensor.dtype for tensor in load_file(tmp_path / "fat5" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+GPU_ONLY_BENCHMARKS = ["attention", "cross-entropy", "rms-norm", "model", "launch-overhead", "linear-cross-entropy"]
+
+
+@pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, "finetune", "pretrain", "distributed"])
+def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
+    """attention, cross-entropy and rms-norm used to end in `Torch not compiled with CUDA enabled` tracebacks."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["bench", name]) == 2
+    captured = capfd.readouterr()
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"fat5 bench: error: {name} measures on a CUDA GPU and this machine has none")
+    assert ("--tiny" in line) == (name in ("finetune", "pretrain", "distributed"))
+    assert captured.out == ""
+
+
+def test_bench_writes_a_new_result_file_unless_told_where(monkeypatch, tmp_path):
+    """`fat5 bench NAME` used to overwrite the tracked benchmarks/results/NAME.json."""
+    import fat5.cli
+
+    commands = []
+    monkeypatch.setattr(fat5.cli.subprocess, "run", lambda command, **_: commands.append(command) or
+                        subprocess.CompletedProcess(command, 0))
+    assert main(["bench", "collator", "--seconds", "1"]) == 0
+    out = Path(commands[-1][commands[-1].index("--out") + 1])
+    assert out.parent == fat5.cli.BENCHMARKS.parent / "runs" / "bench"
+    assert out.name.startswith("collator-") and out.suffix == ".json"
+    assert "benchmarks/results" not in " ".join(commands[-1])
+    assert main(["bench", "collator", "--out", str(tmp_path / "mine.json")]) == 0
+    assert commands[-1][-2:] == ["--out", str(tmp_path / "mine.json")]
+    assert main(["bench", "collator", "--out=" + str(tmp_path / "mine.json")]) == 0
+    assert commands[-1].count("--out") == 0 and commands[-1][-1] == "--out=" + str(tmp_path / "mine.json")
+
+
+def test_training_log_lines_hold_numbers(capsys):
+    """The progress bar's log line is a dict of numbers (transformers' own bar writes 'tokens_per_second':
+    '1.453e+04'), rounded for reading."""
+    import ast
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
+
+    from fat5.trainer.metrics import numeric_progress_callback
+
+    callback = numeric_progress_callback()()
+    assert isinstance(callback, ProgressCallback)
+    state = TrainerState(max_steps=10)
+    arguments = TrainingArguments(output_dir="unused", report_to="none")
+    callback.on_train_begin(arguments, state, TrainerControl())
+    logs = {"loss": 7.123456, "tokens_per_second": 14532.77, "epoch": 0.5, "step": 3, "total_flos": 1e12}
+    callback.on_log(arguments, state, TrainerControl(), logs=logs)
+    callback.on_train_end(arguments, state, TrainerControl())
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert ast.literal_eval(line) == {"loss": 7.123, "tokens_per_second": 14530.0, "epoch": 0.5, "step": 3}
+
+
+def test_fat5_trainer_logs_through_the_numeric_bar(tiny_model):
+    from transformers.trainer_callback import ProgressCallback
+
+    from fat5 import FAT5ForConditionalGeneration
+    from fat5.trainer.trainer import FAT5Trainer, FAT5TrainingArguments
+
+    trainer = FAT5Trainer(model=FAT5ForConditionalGeneration.from_pretrained(tiny_model),
+                          args=FAT5TrainingArguments(output_dir="unused", report_to="none"))
+    [bar] = [c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback)]
+    assert type(bar).__name__ == "NumericProgressCallback"
+
+
+def test_loss_curve_png_and_its_absence_without_matplotlib(tmp_path, monkeypatch):
+    from fat5.trainer.metrics import plot_loss_curve
+
+    history = [{"loss": 9.0 - step / 10, "step": step} for step in range(1, 30, 5)] + [{"eval_loss": 6.5, "step": 26}]
+    assert plot_loss_curve(history, tmp_path / "loss_curve.png")
+    assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["loss_curve.png"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert not plot_loss_curve(history, tmp_path / "other.png")
+    assert not (tmp_path / "other.png").exists()

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+from .metrics import numeric_progress_callback
 
 
 @dataclass
@@ -179,6 +182,9 @@ class FAT5Trainer(Seq2SeqTrainer):
         self.train_batch_sampler = train_batch_sampler
         self.eval_batch_sampler = eval_batch_sampler
         super().__init__(*args, **kwargs)
+        # the progress bar's log lines with numbers as numbers (transformers' own writes them as strings)
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(numeric_progress_callback())
         self._smoothed_loss_config = None
         if self.args.label_smoothing_factor > 0:
             # the fused loss smooths labels itself (see compute_loss_context_manager)
