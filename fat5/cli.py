@@ -1,5 +1,8 @@
 """The `fat5` command: convert, export, bundle, push, pretrain, finetune, bench.
 
+The console script enters through the top-level ``fat5_command`` module, which answers ``fat5 --help`` and
+``--version`` without importing this package (and with it torch), then calls :func:`main`.
+
 Each area registers its own subcommands; a user mistake (FAT5Error) is printed on stderr with exit status 2 and no
 traceback.
 """
@@ -17,23 +20,24 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from fat5_command import COMMANDS, DESCRIPTION, version
+
     from .conversion import add_convert_commands
     from .hub_upload import add_hub_commands
     from .trainer.finetune import add_finetune_command
     from .trainer.pretrain import add_pretrain_command
 
-    parser = argparse.ArgumentParser(
-        prog="fat5",
-        description="FAT5 (Flash Attention T5): convert T5-family checkpoints, pretrain, finetune and publish.",
-    )
-    parser.add_argument("--version", action="version", version=f"fat5 {__version__}")
+    parser = argparse.ArgumentParser(prog="fat5", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"fat5 {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_convert_commands(subparsers)
     add_hub_commands(subparsers)
     add_pretrain_command(subparsers)
     add_finetune_command(subparsers)
     add_bench_command(subparsers)
+    missing = set(COMMANDS) ^ set(subparsers.choices)
+    if missing:
+        raise RuntimeError(f"fat5_command.COMMANDS and the subcommands differ in {sorted(missing)}")
     return parser
 
 

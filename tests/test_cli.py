@@ -169,3 +169,53 @@ def test_loss_curve_png_and_its_absence_without_matplotlib(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert not plot_loss_curve(history, tmp_path / "other.png")
     assert not (tmp_path / "other.png").exists()
+
+
+def _console_script_entry() -> tuple[str, str]:
+    """(module, function) of pyproject's `fat5` console script: what `pip install` makes `fat5` run."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    match = re.search(r'^\[project\.scripts\]\s*\nfat5 = "([\w.]+):(\w+)"', text, re.MULTILINE)
+    assert match, "no fat5 console script in pyproject.toml"
+    return match[1], match[2]
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["--version"], []])
+def test_help_and_version_do_not_import_torch(arguments):
+    """`fat5 --help` took 4.5 s importing torch and transformers; the console script's entry now answers it alone.
+    Checked on what was imported, not on a time."""
+    module, function = _console_script_entry()
+    program = (
+        f"import sys\nfrom {module} import {function}\n"
+        f"try:\n    {function}({arguments!r})\nexcept SystemExit as exit:\n    status = exit.code\n"
+        "print('imported:', sorted(name for name in ('torch', 'transformers', 'fat5') if name in sys.modules))\n"
+        "print('status:', status)\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                               check=False)
+    assert "imported: []" in completed.stdout, completed.stdout + completed.stderr
+    if arguments == ["--version"]:
+        assert "fat5 0." in completed.stdout and "status: 0" in completed.stdout
+    elif arguments:
+        assert completed.stdout.startswith("usage: fat5") and "status: 0" in completed.stdout
+        assert all(name in completed.stdout for name in SUBCOMMANDS)
+    else:  # no command: argparse's usage error
+        assert "status: 2" in completed.stdout and "required: COMMAND" in completed.stderr
+
+
+def test_the_quick_help_is_the_full_parsers_help(capsys):
+    """The help the entry answers alone is the one the full parser would give: the two cannot drift apart."""
+    from fat5.cli import build_parser
+    from fat5_command import top_level_parser
+
+    assert top_level_parser().format_help() == build_parser().format_help()
+
+
+def test_a_subcommand_goes_through_to_the_full_parser(capsys):
+    from fat5_command import main as entry
+
+    with pytest.raises(SystemExit) as exit_info:
+        entry(["pretrain", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: fat5 pretrain")
