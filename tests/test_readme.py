@@ -43,11 +43,14 @@ def bash_commands(code: str) -> list[str]:
     return [part.strip() for line in lines if line.strip() for part in line.split("&&")]
 
 
+# the `fat5` console script of the Python running the tests comes first on the PATH, activated or not
+ENVIRONMENT = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+
 def _run(command, cwd: Path, **options) -> subprocess.CompletedProcess:
     # stdin closed: a command that prompts (transformers' "run the custom code? [y/N]") fails instead of waiting
     return subprocess.run(command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=TIMEOUT, check=False, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                          **options)
+                          timeout=TIMEOUT, check=False, env=ENVIRONMENT, **options)
 
 
 @pytest.fixture(scope="module")
