@@ -146,3 +146,31 @@ def test_every_extra_is_used():
                 continue
             module = name.replace("-", "_")
             assert re.search(rf"^\s*(import|from) {module}\b", sources, re.MULTILINE), f"extra {extra!r}: {name} is unused"
+
+
+def test_the_bundles_model_card_runs_as_written_without_a_prompt(tiny_model, tmp_path):
+    """The card's code, in a process that cannot import fat5, stdin closed: no "Do you wish to run the custom code?
+    [y/N]" (its AutoTokenizer call lacked trust_remote_code), no "model of type `fat5` to instantiate a model of type
+    ``" warning; and the tokenizer alone loads without remote code, as a plain fast tokenizer."""
+    from fat5.hub_upload import bundle
+
+    bundle(tiny_model, tmp_path / "bundle")
+    card = (tmp_path / "bundle" / "README.md").read_text(encoding="utf-8")
+    [code] = [code for language, code in re.findall(r"```(\w+)\n(.*?)```", card, re.DOTALL) if language == "python"]
+    assert 'from_pretrained("path/to/this/folder"' in code
+    code = code.replace("path/to/this/folder", str(tmp_path / "bundle"))
+    plain_tokenizer = (
+        "import sys\nfrom transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
+        f"plain = PreTrainedTokenizerFast.from_pretrained({str(tmp_path / 'bundle')!r})\n"
+        f"auto = AutoTokenizer.from_pretrained({str(tmp_path / 'bundle')!r}, trust_remote_code=True)\n"
+        "assert plain('To be, or not')['input_ids'] == auto('To be, or not')['input_ids']\n"
+        "assert 'fat5' not in sys.modules\n"
+    )
+    # a folder with nothing but the bundle beside the program: fat5 cannot be imported there
+    environment = {key: value for key, value in ENVIRONMENT.items() if key != "PYTHONPATH"}
+    for program in (code, plain_tokenizer):
+        completed = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                   capture_output=True, text=True, timeout=600, check=False, env=environment)
+        output = completed.stdout + completed.stderr
+        assert completed.returncode == 0, output[-3000:]
+        assert "Do you wish to run the custom code" not in output and "to instantiate a model of type" not in output
