@@ -130,7 +130,8 @@ def _canonical_unigram(tokenizer, num_special: int):
 
     The `tokenizers` Unigram trainer seeds its hash maps at random in each process and sums over threads: its scores
     differ in the last bits from run to run, which reorders pieces of near-equal score, and the characters it must
-    keep but did not learn are appended in hash order, each a step of 1e-4 below the one before. The same seed then
+    keep but did not learn are appended in hash order, each a step of 1e-4 below the one before (or at the lowest
+    score). The same seed then
     trained another model. Here the scores are rounded, the appended characters take their scores in the order of
     the characters, and the learned pieces are ordered by decreasing score, ties by the piece itself; the special
     tokens keep their first ids."""
@@ -138,16 +139,16 @@ def _canonical_unigram(tokenizer, num_special: int):
 
     state = json.loads(tokenizer.to_str())["model"]
     vocab = [(piece, round(score, _SCORE_DECIMALS)) for piece, score in state["vocab"]]
+    # the appended characters: the last pieces, single characters at most a step apart (the last ones may share
+    # one score)
     start = len(vocab)
     while (
         start - 1 > num_special
         and len(vocab[start - 1][0]) == 1
-        and (start == len(vocab) or abs(vocab[start - 1][1] - vocab[start][1] - _APPENDED_CHARACTER_STEP) < 1e-6)
+        and (start == len(vocab) or 0 <= vocab[start - 1][1] - vocab[start][1] <= _APPENDED_CHARACTER_STEP + 1e-6)
     ):
         start -= 1
-    if len(vocab) - start < 2:  # no run of appended characters
-        start = len(vocab)
-    appended_characters = sorted(piece for piece, _ in vocab[start:])
+    appended_characters = sorted(piece for piece, _ in vocab[start:])  # scores in their order, whatever the hash
     appended_scores = sorted((score for _, score in vocab[start:]), reverse=True)
     learned = sorted(vocab[num_special:start], key=lambda entry: (-entry[1], entry[0]))
     pieces = vocab[:num_special] + learned + list(zip(appended_characters, appended_scores))
