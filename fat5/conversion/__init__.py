@@ -6,9 +6,10 @@ Python: `convert(src, out, ...)` and `export_hf(fat5_dir, out, ...)`. Command li
 
 import argparse
 
+from ..dtypes import DTYPE_CHOICES, dtype_argument
 from ..output_folder import atomic_directory
 from .checkpoint import ConversionError
-from .convert import DTYPES, ConversionResult, convert, export_hf, map_state_dict
+from .convert import ConversionResult, convert, export_hf, map_state_dict
 from .verify import DEFAULT_TOLERANCE
 
 __all__ = [
@@ -76,7 +77,10 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)"
+        "--dtype",
+        type=dtype_argument,
+        default=None,
+        help=f"dtype of the written weights: {DTYPE_CHOICES} (default: the source's)",
     )
     parser.add_argument(
         "--no-verify",

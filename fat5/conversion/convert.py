@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import torch_dtype
+from ..errors import FAT5Error
 from ..output_folder import atomic_directory, check_output_folder
 from .checkpoint import (
     ConversionError,
@@ -41,7 +43,6 @@ from .verify import DEFAULT_TOLERANCE, check_agreement, compare_outputs
 
 REPORT_FILE = "fat5_conversion.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # transformers' class-name prefix for each supported `model_type`
 FAMILY_PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
@@ -99,11 +100,12 @@ class ConversionResult:
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype is None:
+        return None
+    try:
+        return torch_dtype(dtype)
+    except FAT5Error as error:
+        raise ConversionError(str(error)) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

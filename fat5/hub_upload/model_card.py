@@ -118,10 +118,14 @@ kernels on a GPU):
 ```python
 from transformers import AutoTokenizer, {auto_class}
 
-tokenizer = AutoTokenizer.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
 model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
 {usage_inputs}
 ```
+
+The tokenizer is a plain fast tokenizer (`tokenizer.json`): `PreTrainedTokenizerFast.from_pretrained("{name}")` loads it
+without the shipped code. `AutoTokenizer` first reads `config.json`, whose model type `fat5` the shipped code defines,
+hence `trust_remote_code=True` there too (without it, transformers asks on the terminal whether to run that code).
 
 With the `fat5` package installed, `import fat5` registers the same classes with transformers' Auto classes{export}.
 

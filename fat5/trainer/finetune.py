@@ -9,8 +9,8 @@ is a YAML file (or a dict) with these sections; relative paths are taken from th
     tokenizer: null                    # default: the model's folder
     model_overrides: {dropout_rate: 0.1}   # FAT5Config fields changed for finetuning (use_chunked_lm_loss: true
                                        # trains mT5-sized vocabularies without their logits)
-    dtype: float32                     # weights while training (or bfloat16, float16, auto); training.bf16: true
-                                       # adds mixed precision on top of float32 weights
+    dtype: fp32                        # weights while training: fp32, bf16, fp16 (or float32, bfloat16, float16)
+                                       # or auto; training.bf16: true adds mixed precision on fp32 weights
     output_dir: runs/summarize
     data:
       train_file: train.jsonl          # json / jsonl / csv / tsv / parquet, one file or a list, a save_to_disk
@@ -69,6 +69,7 @@ from typing import Any
 
 import yaml
 
+from ..dtypes import canonical_dtype
 from ..errors import FAT5Error
 from ..output_folder import move_into, prepare_run_folder
 
@@ -114,7 +115,6 @@ LORA_DEFAULTS = {
 TOP_LEVEL_KEYS = (
     "task", "model", "tokenizer", "model_overrides", "dtype", "output_dir", "data", "lora", "training", "bundle"
 )
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -217,8 +217,7 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
     model_overrides = raw.get("model_overrides") or {}
     if not isinstance(model_overrides, dict):
         raise FAT5Error("finetune config: model_overrides must be a mapping of FAT5Config fields")
-    if raw.get("dtype", "float32") not in DTYPES:
-        raise FAT5Error(f"finetune config: dtype must be one of {DTYPES}, got {raw['dtype']!r}")
+    dtype = canonical_dtype(raw.get("dtype", "float32"), what="finetune config: dtype", allow_auto=True)
     if not isinstance(raw.get("bundle", False), bool):
         raise FAT5Error(f"finetune config: bundle must be true or false, got {raw['bundle']!r}")
 
@@ -268,7 +267,7 @@ def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> 
         "model": str(raw["model"]),
         "tokenizer": str(raw["tokenizer"]) if raw.get("tokenizer") else None,
         "model_overrides": dict(model_overrides),
-        "dtype": raw.get("dtype", "float32"),
+        "dtype": dtype,
         "output_dir": str(raw["output_dir"]),
         "data": data,
         "lora": lora,

@@ -150,3 +150,63 @@ def token_classification_metric(eval_prediction) -> dict:
     labels = np.asarray(eval_prediction.label_ids)
     labelled = labels != -100
     return classification_scores(logits.argmax(axis=-1)[labelled], labels[labelled])
+
+
+# ----------------------------------------------------------------------------------------------- training logs
+
+LOG_SIGNIFICANT_DIGITS = 4
+
+
+def readable_logs(logs: dict) -> dict:
+    """``logs`` with every float rounded to ``LOG_SIGNIFICANT_DIGITS`` significant digits, still a number (where
+    transformers' progress bar prints ``'tokens_per_second': '1.453e+04'``, a string); ``total_flos`` left out."""
+    return {
+        key: float(f"{value:.{LOG_SIGNIFICANT_DIGITS}g}") if isinstance(value, float) else value
+        for key, value in logs.items()
+        if key != "total_flos"
+    }
+
+
+def numeric_progress_callback():
+    """transformers' ``ProgressCallback`` (the tqdm bar) whose log lines keep numbers numbers."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class NumericProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None:
+                self.training_bar.write(str(readable_logs(logs)))
+
+    return NumericProgressCallback
+
+
+def plot_loss_curve(log_history: list[dict], path) -> bool:
+    """Draw the training (and evaluation) loss of a Trainer's ``log_history`` against the step into the PNG
+    ``path``; False, with nothing written, when matplotlib is not installed (``pip install matplotlib``)."""
+    import os
+    from pathlib import Path
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    path = Path(path)
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for key, label in (("loss", "training loss"), ("eval_loss", "evaluation loss")):
+        points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
+        if points:
+            steps, losses = zip(*points)
+            axes.plot(steps, losses, marker="o" if key == "eval_loss" else None, label=label)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.set_yscale("log")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    temporary = path.with_name(path.name + ".tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)
+    return True

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -389,6 +390,7 @@ def add_pretrain_command(subparsers) -> None:
 def _run_pretrain(args: argparse.Namespace) -> int:
     from .trainer import resume_hint
 
+    start = time.perf_counter()
     try:
         summary = pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
@@ -400,8 +402,24 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         if not is_disk_full(error, args.output_dir):
             raise
         raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
-    first, last = summary["first_logged_loss"], summary["last_logged_loss"]
-    print(f"trained {summary['steps']} steps: loss {first:.3f} -> {last:.3f}"
-          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
-    print(f"model and tokenizer saved to {summary['output']}")
+    print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
     return 0
+
+
+def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> None:
+    """What the job did, how fast, and where its results are; draws the loss curve beside the summary file."""
+    from .metrics import plot_loss_curve
+
+    first, last = summary["first_logged_loss"], summary["last_logged_loss"]
+    print(f"trained {summary['steps']} steps in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
+          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
+    speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
+    if speeds:
+        print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")
+    print(f"model and tokenizer saved to {summary['output']}")
+    print(f"summary and log history: {output_dir / 'pretrain_summary.json'}")
+    curve = output_dir / "loss_curve.png"
+    if plot_loss_curve(summary["log_history"], curve):
+        print(f"loss curve: {curve}")
+    else:
+        print("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")

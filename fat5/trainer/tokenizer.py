@@ -10,6 +10,7 @@ Layout of a trained tokenizer, as in T5: ``<pad>`` = 0 (also the decoder start t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -93,6 +94,8 @@ def train_tokenizer(
     for i, token in enumerate(special):
         if tokenizer.token_to_id(token) != i:
             raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
+    if model == "unigram":
+        tokenizer.model = _canonical_unigram(tokenizer, len(special))
 
     # Appended last, in decreasing index, so that <extra_id_0> has the highest id as in T5.
     sentinels = [sentinel_token(i) for i in reversed(range(num_sentinels))]
@@ -114,6 +117,42 @@ def train_tokenizer(
     if save_directory is not None:
         wrapped.save_pretrained(save_directory)
     return wrapped
+
+
+# Unigram scores are log-probabilities of order 1..20; the trainer's own rounding noise is of order 1e-14.
+_SCORE_DECIMALS = 9
+# the score step between the characters the Unigram trainer appends last (`tokenizers`' min_score_penalty_delta)
+_APPENDED_CHARACTER_STEP = 1e-4
+
+
+def _canonical_unigram(tokenizer, num_special: int):
+    """The trained Unigram model with the same pieces, ids and scores for the same corpus in every process.
+
+    The `tokenizers` Unigram trainer seeds its hash maps at random in each process and sums over threads: its scores
+    differ in the last bits from run to run, which reorders pieces of near-equal score, and the characters it must
+    keep but did not learn are appended in hash order, each a step of 1e-4 below the one before (or at the lowest
+    score). The same seed then
+    trained another model. Here the scores are rounded, the appended characters take their scores in the order of
+    the characters, and the learned pieces are ordered by decreasing score, ties by the piece itself; the special
+    tokens keep their first ids."""
+    from tokenizers import models
+
+    state = json.loads(tokenizer.to_str())["model"]
+    vocab = [(piece, round(score, _SCORE_DECIMALS)) for piece, score in state["vocab"]]
+    # the appended characters: the last pieces, single characters at most a step apart (the last ones may share
+    # one score)
+    start = len(vocab)
+    while (
+        start - 1 > num_special
+        and len(vocab[start - 1][0]) == 1
+        and (start == len(vocab) or 0 <= vocab[start - 1][1] - vocab[start][1] <= _APPENDED_CHARACTER_STEP + 1e-6)
+    ):
+        start -= 1
+    appended_characters = sorted(piece for piece, _ in vocab[start:])  # scores in their order, whatever the hash
+    appended_scores = sorted((score for _, score in vocab[start:]), reverse=True)
+    learned = sorted(vocab[num_special:start], key=lambda entry: (-entry[1], entry[0]))
+    pieces = vocab[:num_special] + learned + list(zip(appended_characters, appended_scores))
+    return models.Unigram(pieces, unk_id=state["unk_id"], byte_fallback=state.get("byte_fallback", False))
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..output_folder import disk_full_error, is_disk_full
+from .metrics import numeric_progress_callback
 
 # a checkpoint is written in here, inside the run folder (same disk), and renamed to checkpoint-N once complete
 CHECKPOINT_STAGING = ".checkpoint-staging"
@@ -348,6 +350,9 @@ class FAT5Trainer(Seq2SeqTrainer):
         self.train_batch_sampler = train_batch_sampler
         self.eval_batch_sampler = eval_batch_sampler
         super().__init__(*args, **kwargs)
+        # the progress bar's log lines with numbers as numbers (transformers' own writes them as strings)
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(numeric_progress_callback())
         self._smoothed_loss_config = None
         if self.args.label_smoothing_factor > 0:
             # the fused loss smooths labels itself (see compute_loss_context_manager)
