@@ -1123,7 +1123,7 @@ class FAT5Model(FAT5PreTrainedModel):
 def _encode_decode(
     model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
     inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache, output_hidden_states,
-    packed_layout,
+    packed_layout=None,
 ):
     """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked.
 
@@ -1131,6 +1131,7 @@ def _encode_decode(
     their ``decoder_`` twins, see :meth:`TokenLayout.given`), None where not given. The caller has refused
     output_attentions already: the stacks are told False, so that an explicit False is not overruled by
     config.output_attentions."""
+    packed_layout = packed_layout or {}
     encoder_layout = _given_layout(segment_ids, packed_layout, "")
     decoder_layout = _given_layout(decoder_segment_ids, packed_layout, "decoder")
     if encoder_layout is None and segment_ids is not None and attention_mask is None:

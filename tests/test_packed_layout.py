@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.kernels.attention import attention_varlen
+from fat5.kernels.position_bias import PositionBias
 from fat5.modeling_fat5 import TokenLayout
 from fat5.trainer.collator import UL2DataCollator
 from fat5.trainer.packing import (
@@ -214,8 +215,8 @@ def test_varlen_kernels_take_a_larger_max_seqlen(causal):
         for tensor in (*inputs, table):
             tensor.grad = None
         output = attention_varlen(*inputs, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=causal,
-                                  position_encoding="t5", relative_attention_bias=table, bidirectional=not causal,
-                                  num_buckets=8, max_distance=7, backend="triton")
+                                  position_bias=PositionBias.t5(table, bidirectional=not causal, max_distance=7),
+                                  backend="triton")
         output.backward(torch.linspace(-1, 1, output.numel()).view_as(output))
         return output.detach(), [tensor.grad.clone() for tensor in (*inputs, table)]
 

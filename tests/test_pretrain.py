@@ -40,7 +40,7 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     losses = [entry["loss"] for entry in summary["log_history"] if "loss" in entry]
     assert summary["steps"] == load_config()["training"]["max_steps"]
     # T5X's draw starts the loss near ln(vocab_size), a uniform guess; learning takes it well below
-    ln_vocab = math.log(json.loads((output / "model" / "config.json").read_text())["vocab_size"])
+    ln_vocab = math.log(json.loads((output / "config.json").read_text())["vocab_size"])
     assert abs(losses[0] - ln_vocab) < 0.1 * ln_vocab and losses[-1] <= ln_vocab - 1.0, losses
     assert "loss" in completed.stdout and "saved to" in completed.stdout
     logged = [entry for entry in summary["log_history"] if "tokens_per_second" in entry]
