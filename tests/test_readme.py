@@ -136,7 +136,8 @@ def test_every_extra_is_used():
     """An extra that nothing imports (the old `flash-attn`) promises what FAT5 does not do."""
     tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    tools = {"ruff": "a command, not a module", "tensorboard": "transformers' report_to: tensorboard"}
+    tools = {"ruff": "a command, not a module", "tensorboard": "transformers' report_to: tensorboard",
+             "parameterized": "imported by transformers' own common tests (test_transformers_mixins.py)"}
     sources = "\n".join(path.read_text(encoding="utf-8") for folder in ("fat5", "benchmarks", "tests", "examples")
                         for path in (REPO / folder).rglob("*.py"))
     for extra, requirements in extras.items():
