@@ -491,7 +491,8 @@ class FAT5Attention(nn.Module):
                 layout.max_seqlen, key_value_layout.max_seqlen,
                 position_bias=position_bias, scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend,
             )
-            output = output.view(batch_size, query_length, self.inner_dim)
+            # reshape: below the kernels' smallest head dim the output is a slice of a padded one (not contiguous)
+            output = output.reshape(batch_size, query_length, self.inner_dim)
         else:
             key_padding_mask = key_value_layout.padding_mask
             narrow_mask = key_padding_mask is not None and key_padding_mask.shape[1] < key_length
