@@ -402,7 +402,12 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         if not is_disk_full(error, args.output_dir):
             raise
         raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
-    print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
+    from accelerate import PartialState
+
+    # under `accelerate launch` every process returns here: one of them reports (and draws the curve, which the
+    # others would rename from under it)
+    if PartialState().is_main_process:
+        print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
     return 0
 
 
