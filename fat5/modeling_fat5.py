@@ -1458,14 +1458,19 @@ class FAT5ClassificationHead(nn.Module):
         return self.out_proj(self.dropout(hidden_states))
 
 
-def _refuse_decoder_arguments(model_name: str, arguments: dict) -> None:
-    """An encoder-only head has no decoder: decoder arguments are refused by name rather than ignored."""
-    given = sorted(name for name, value in arguments.items() if value is not None)
+def _encoder_only_outputs(model, input_ids, attention_mask, inputs_embeds, output_hidden_states, decoder_arguments):
+    """The encoder's outputs for an encoder-only head (config.encoder_only_heads), which has no decoder: decoder
+    arguments are refused by name rather than ignored."""
+    given = sorted(name for name, value in decoder_arguments.items() if value is not None)
     if given:
         raise ValueError(
-            f"{model_name} was built with config.encoder_only_heads=True (the encoder alone), so it cannot use "
-            f"{', '.join(given)}; T5's encoder-decoder head is config.encoder_only_heads=False"
+            f"{type(model).__name__} was built with config.encoder_only_heads=True (the encoder alone), so it cannot "
+            f"use {', '.join(given)}; T5's encoder-decoder head is config.encoder_only_heads=False"
         )
+    return model.encoder(
+        input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+        output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+    )
 
 
 def _decoder_inputs_of(model, input_ids, decoder_input_ids, decoder_inputs_embeds):
@@ -1531,15 +1536,11 @@ class FAT5ForSequenceClassification(FAT5PreTrainedModel):
     ) -> Seq2SeqSequenceClassifierOutput | SequenceClassifierOutput:
         _check_supported_arguments(self.config, kwargs)
         if self.config.encoder_only_heads:
-            _refuse_decoder_arguments(type(self).__name__, {
+            outputs = _encoder_only_outputs(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, {
                 "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
                 "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
                 "use_cache": use_cache,
             })
-            outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
-            )
             hidden_states = outputs.last_hidden_state
             if attention_mask is None:
                 pooled = hidden_states.mean(dim=1)
@@ -1702,15 +1703,12 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
     ) -> Seq2SeqQuestionAnsweringModelOutput | QuestionAnsweringModelOutput:
         _check_supported_arguments(self.config, kwargs)
         if self.config.encoder_only_heads:
-            _refuse_decoder_arguments(type(self).__name__, {
-                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
-                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
-                "use_cache": use_cache,
-            })
-            encoder_outputs = self.encoder(
-                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
-            )
+            encoder_outputs = _encoder_only_outputs(
+                self, input_ids, attention_mask, inputs_embeds, output_hidden_states, {
+                    "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                    "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                    "use_cache": use_cache,
+                })
             sequence_output, decoder_outputs = encoder_outputs.last_hidden_state, None
         else:
             if start_positions is not None and end_positions is not None:
