@@ -154,7 +154,7 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         "padding_fraction": sum(entry["padding_fraction"] for entry in steady) / len(steady),
         "tokens_per_second": round(tokens_per_second, 1),
         "tokens_per_second_per_gpu": round(tokens_per_second / processes, 1),
-        "vocab_size": json.loads((output / "model" / "config.json").read_text())["vocab_size"],
+        "vocab_size": json.loads((output / "config.json").read_text())["vocab_size"],
     }
 
 

@@ -289,6 +289,32 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
     assert not (double / ".final-model.tmp").exists()
 
 
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_a_gathered_state_dict_saves_the_folder_one_process_saves(tie_word_embeddings, tmp_path):
+    """FSDP hands the Trainer's save a gathered state dict whose tied weights are copies, not one shared tensor:
+    the final folder must still hold each weight once, as the model's own save_pretrained writes it, and load
+    back to the same model."""
+    from fat5 import FAT5Config
+    from fat5.trainer.trainer import FAT5Trainer, FAT5TrainingArguments
+
+    torch.manual_seed(0)
+    model = FAT5ForConditionalGeneration(FAT5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        tie_word_embeddings=tie_word_embeddings))
+    model.save_pretrained(tmp_path / "one-process")
+    trainer = FAT5Trainer(model=model, args=FAT5TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    gathered = {name: value.clone() for name, value in model.state_dict().items()}
+    assert "encoder.embed_tokens.weight" in gathered
+    trainer._save(str(tmp_path / "gathered"), state_dict=gathered)
+
+    saved, expected = load_file(tmp_path / "gathered" / "model.safetensors"), load_file(
+        tmp_path / "one-process" / "model.safetensors")
+    assert sorted(saved) == sorted(expected)
+    reloaded = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "gathered")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
 FSDP_WORKER = """
 import sys
 import torch

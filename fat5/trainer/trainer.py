@@ -412,6 +412,17 @@ class FAT5Trainer(Seq2SeqTrainer):
             self._checkpoint_run_dir = None
         self.accelerator.wait_for_everyone()
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Under FSDP the state dict arrives gathered, every tied target (the stacks' embed_tokens, a tied lm_head) a
+        # copy of its own that save_pretrained cannot recognise as shared: written as is, the folder would hold the
+        # embedding three times, unlike the model a one-GPU job saves. The copies are dropped; loading ties them.
+        if state_dict is not None:
+            unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            tied = getattr(unwrapped, "all_tied_weights_keys", None) or {}
+            state_dict = {name: value for name, value in state_dict.items()
+                          if not (name in tied and tied[name] in state_dict)}
+        super()._save(output_dir, state_dict=state_dict)
+
     def _rotate_complete_checkpoints(self, run_dir: Path, staging: Path) -> None:
         """transformers' rotation (keep ``save_total_limit``, always the newest and the best), by step, each old
         checkpoint renamed into the staging folder before it is deleted, so that no half-deleted one remains."""
