@@ -40,137 +40,9 @@ from .kernels.linear_cross_entropy import linear_cross_entropy
 from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
+from .token_layout import TokenLayout
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class TokenLayout:
-    """Where the real tokens of a (batch, length) block of hidden states are.
-
-    Padded batches carry a ``padding_mask``. Packed batches (several examples per row) are cut into segments for the
-    varlen attention, which keeps examples apart: each row into one segment per example slot of the batch (empty
-    where the row holds fewer examples) and a last one for its padding tail. The segments then follow the tokens'
-    own row-major order, so the hidden states reach the varlen attention as a view, with no gather or scatter; a
-    padding tail attends only to itself, and the loss never reads what it produces. ``examples`` says which example
-    slots of each row hold tokens (the decoder's must match the encoder's; None for a layout the caller built, see
-    :meth:`given`). ``position_ids`` restart at 0 in every
-    segment (packed) or start at ``query_offset``, the cache length when decoding: an int, or a one-element tensor
-    with a static cache, whose length lives on the device. ``attention_mask``: a custom 4-D mask, (batch, 1, query,
-    key), as transformers' models take one (bool, True where a key may be attended, or float, added to the scores):
-    the whole mask of the attentions that read these tokens as keys, which then run the materialising reference.
-    """
-
-    position_ids: torch.Tensor
-    query_offset: int | torch.Tensor = 0
-    padding_mask: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    max_seqlen: int = 0
-    examples: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None
-
-    @property
-    def is_packed(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @classmethod
-    def padded(
-        cls, batch_size, length, attention_mask=None, offset=0, device=None, mask_name="attention_mask"
-    ) -> "TokenLayout":
-        """A mask must cover the cached tokens and the new ones, ``offset + length``: a (batch, keys) padding mask, or
-        a custom (batch, 1, query, keys) one whose query dimension the attention checks (the encoder's mask serves
-        the decoder's cross-attention too, as in T5). With a static cache the offset is a tensor on the device, not
-        read back here: the attention pads a padding mask to the cache's whole buffer."""
-        position_ids = (torch.arange(length, device=device) + offset).expand(batch_size, length)
-        if attention_mask is None:
-            return cls(position_ids=position_ids, query_offset=offset)
-        if attention_mask.dim() not in (2, 4) or attention_mask.shape[0] != batch_size or (
-            attention_mask.dim() == 4 and attention_mask.shape[1] != 1
-        ):
-            raise ValueError(
-                f"{mask_name} must be (batch, length) or a custom (batch, 1, query_length, key_length) mask, with "
-                f"batch {batch_size}; got {tuple(attention_mask.shape)}"
-            )
-        if isinstance(offset, int) and attention_mask.shape[-1] != offset + length:
-            cached = f" ({offset} cached and {length} new)" if offset else ""
-            raise ValueError(
-                f"{mask_name}: the attention mask covers {attention_mask.shape[-1]} positions but there are "
-                f"{offset + length} tokens{cached}"
-            )
-        if attention_mask.dim() == 2:
-            padding_mask = attention_mask.to(device=device, dtype=torch.bool)
-            return cls(position_ids=position_ids, query_offset=offset, padding_mask=padding_mask)
-        if attention_mask.dtype != torch.bool and not attention_mask.dtype.is_floating_point:
-            raise ValueError(
-                f"a 4-D {mask_name} is bool (True where a key may be attended) or float (added to the scores: 0 or a "
-                f"large negative), as transformers' 4-D masks; got {attention_mask.dtype}"
-            )
-        return cls(position_ids=position_ids, query_offset=offset, attention_mask=attention_mask.to(device))
-
-    @classmethod
-    def packed(cls, segment_ids: torch.Tensor) -> "TokenLayout":
-        """From (batch, length) segment ids: 1, 2, ... for the examples of a row, in order, then 0 on padding.
-
-        Two reads back to the host (the number of example slots with the validity check, then the longest
-        segment), both before any of the model's kernels."""
-        if segment_ids.dim() != 2 or segment_ids.dtype.is_floating_point:
-            raise ValueError(f"segment_ids must be a (batch, length) integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}")
-        batch_size, length = segment_ids.shape
-        ids = segment_ids.long()
-        if ids.numel() == 0:
-            empty = torch.zeros(1, dtype=torch.int32, device=ids.device)
-            return cls(position_ids=ids, cu_seqlens=empty, examples=ids.new_zeros((batch_size, 0), dtype=torch.bool))
-        # padding takes the slot after the last example, so that a valid row's slots never decrease
-        slots_per_row = ids.max() + 1
-        slots = torch.where(ids > 0, ids - 1, slots_per_row - 1)
-        invalid = (ids < 0).any() | (slots[:, 1:] < slots[:, :-1]).any()
-        slots_per_row, invalid = torch.stack([slots_per_row, invalid.long()]).tolist()
-        if invalid:
-            raise ValueError(
-                "segment_ids must number each row's examples 1, 2, 3, ... in increasing order, each in one contiguous "
-                "run, with padding (0) only after a row's last example"
-            )
-        row_slots = (torch.arange(batch_size, device=ids.device)[:, None] * slots_per_row + slots).flatten()
-        counts = torch.bincount(row_slots, minlength=batch_size * slots_per_row)
-        cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=ids.device)
-        cu_seqlens[1:] = torch.cumsum(counts, 0)
-        positions = torch.arange(row_slots.numel(), device=ids.device) - cu_seqlens[:-1].long()[row_slots]
-        return cls(
-            position_ids=positions.view(batch_size, length),
-            cu_seqlens=cu_seqlens,
-            max_seqlen=int(counts.max()),
-            examples=counts.view(batch_size, slots_per_row)[:, :-1] > 0,
-        )
-
-    @classmethod
-    def given(cls, segment_ids: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor,
-              name: str = "") -> "TokenLayout":
-        """A packed layout that the caller built (the UL2 collator does, in the dataloader's workers), so that the
-        step reads nothing back from the device: only shapes and dtypes are checked here.
-
-        ``cu_seqlens`` may cut the tokens into any segments that follow the row-major order and never cross a row;
-        empty segments (repeated offsets) are allowed, so that a batch of fixed shape can hold a varying number of
-        examples. ``max_seqlen`` is the row length, an upper bound known without a device read (the kernels' grid
-        covers it; the segments' true lengths come from ``cu_seqlens``)."""
-        prefix = f"{name}_" if name else ""
-        batch_size, length = segment_ids.shape
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"{prefix}cu_seqlens must be a 1-D integer tensor of segment offsets (0, ..., {batch_size * length}), "
-                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-            )
-        if position_ids is None or tuple(position_ids.shape) != (batch_size, length):
-            shape = None if position_ids is None else tuple(position_ids.shape)
-            raise ValueError(
-                f"{prefix}cu_seqlens comes with {prefix}segment_position_ids of the segment ids' shape "
-                f"{(batch_size, length)} (each token's position in its segment), got {shape}"
-            )
-        device = segment_ids.device
-        return cls(
-            position_ids=position_ids.to(device, non_blocking=True),
-            cu_seqlens=cu_seqlens.to(device, torch.int32, non_blocking=True),
-            max_seqlen=length,
-        )
 
 
 # transformers 5.24 renamed its models' KV-cache argument and output field from `past_key_values` to `cache` (the old
@@ -1166,19 +1038,17 @@ class FAT5PreTrainedModel(PreTrainedModel):
 _STACK_EMBEDDINGS = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
 
 
-class FAT5Model(FAT5PreTrainedModel):
-    """The bare encoder-decoder, returning the decoder's last hidden states."""
+class _FAT5EncoderDecoder(FAT5PreTrainedModel):
+    """The encoder-decoder's parts, which the bare model and the language model share: the embedding and both stacks
+    that read it. A subclass adds its head, then calls ``post_init``."""
 
     _tied_weights_keys = _STACK_EMBEDDINGS
-    # a checkpoint of the full model loads quietly without its head, as in T5Model
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
         self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
-        self.post_init()
 
     def get_input_embeddings(self):
         return self.shared
@@ -1193,6 +1063,17 @@ class FAT5Model(FAT5PreTrainedModel):
 
     def get_decoder(self):
         return self.decoder
+
+
+class FAT5Model(_FAT5EncoderDecoder):
+    """The bare encoder-decoder, returning the decoder's last hidden states."""
+
+    # a checkpoint of the full model loads quietly without its head, as in T5Model
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.post_init()
 
     def forward(
         self,
@@ -1334,7 +1215,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
+class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
     """FAT5 with its language-modelling head: training with fused cross-entropy + z-loss, and ``generate``.
 
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
@@ -1356,31 +1237,14 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self.model_dim = config.d_model
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
-        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.shared
-
-    def set_input_embeddings(self, new_embeddings):
-        self.shared = new_embeddings
-        self.encoder.embed_tokens = new_embeddings
-        self.decoder.embed_tokens = new_embeddings
 
     def get_output_embeddings(self):
         return self.lm_head
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
-
-    def get_encoder(self):
-        return self.encoder
-
-    def get_decoder(self):
-        return self.decoder
 
     def forward(
         self,
@@ -1427,22 +1291,9 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             decoder_segment_ids, use_cache, output_hidden_states, packed_layout,
             _asks_for_attentions(self.config, output_attentions),
         )
-        sequence_output = decoder_outputs.last_hidden_state
-        if self.config.scale_decoder_outputs:
-            sequence_output = sequence_output * (self.model_dim**-0.5)
-        loss = ce_loss = z_loss = logits = None
-        if labels is not None and self._computes_chunked_lm_loss():
-            ce_loss, z_loss = linear_cross_entropy(
-                sequence_output, self.lm_head.weight, labels.to(sequence_output.device), **self._lm_loss_options(),
-                num_items_in_batch=num_items_in_batch,
-            )
-            loss = ce_loss + z_loss
-        else:
-            logits = self.lm_head(sequence_output)
-            if labels is not None:
-                loss, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
+        logits, ce_loss, z_loss = self._logits_and_loss(decoder_outputs.last_hidden_state, labels, num_items_in_batch)
         output = FAT5Seq2SeqLMOutput(
-            loss=loss,
+            loss=None if ce_loss is None else ce_loss + z_loss,
             logits=logits,
             **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             **_seq2seq_states(encoder_outputs, decoder_outputs),
@@ -1450,6 +1301,22 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
             z_loss=z_loss if return_loss_parts else None,
         )
         return _as_requested(output, return_dict, self.config)
+
+    def _logits_and_loss(self, sequence_output, labels, num_items_in_batch):
+        """The logits (None where the chunked loss never forms them) and the loss's two parts (None without labels)."""
+        if self.config.scale_decoder_outputs:
+            sequence_output = sequence_output * (self.model_dim**-0.5)
+        if labels is not None and self._computes_chunked_lm_loss():
+            ce_loss, z_loss = linear_cross_entropy(
+                sequence_output, self.lm_head.weight, labels.to(sequence_output.device), **self._lm_loss_options(),
+                num_items_in_batch=num_items_in_batch,
+            )
+            return None, ce_loss, z_loss
+        logits = self.lm_head(sequence_output)
+        if labels is None:
+            return logits, None, None
+        _, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
+        return logits, ce_loss, z_loss
 
     def _computes_chunked_lm_loss(self) -> bool:
         # The chunked loss reads lm_head.weight without calling lm_head: only a bare Linear's weight is the whole map
@@ -1871,14 +1738,7 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
         start_logits, end_logits = self.qa_outputs(sequence_output).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
-            ignored = start_logits.shape[1]
-            start_loss = nn.functional.cross_entropy(
-                start_logits, start_positions.view(-1).clamp(0, ignored), ignore_index=ignored
-            )
-            end_loss = nn.functional.cross_entropy(
-                end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored
-            )
-            loss = (start_loss + end_loss) / 2
+            loss = _span_loss(start_logits, end_logits, start_positions, end_positions)
         if decoder_outputs is None:
             output = QuestionAnsweringModelOutput(
                 loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states,
@@ -1893,6 +1753,16 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
                 **_seq2seq_states(encoder_outputs, decoder_outputs),
             )
         return _as_requested(output, return_dict, self.config)
+
+
+def _span_loss(start_logits, end_logits, start_positions, end_positions):
+    """transformers' extractive QA loss: the mean of the start's and the end's cross-entropies, positions beyond the
+    sequence ignored."""
+    ignored = start_logits.shape[1]
+    start_loss = nn.functional.cross_entropy(start_logits, start_positions.view(-1).clamp(0, ignored),
+                                             ignore_index=ignored)
+    end_loss = nn.functional.cross_entropy(end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored)
+    return (start_loss + end_loss) / 2
 
 
 __all__ = [
