@@ -4,7 +4,8 @@
 tensors with ``cu_seqlens`` (as flash-attention's ``flash_attn_varlen_func``). Instead of a bias tensor they take a
 ``PositionBias`` that describes it: T5's bucket table, ALiBi's slopes, an explicit additive tensor (FIRE's) or none.
 The reference below materialises the scores in fp32; it is the CPU path and the truth the Triton kernels are tested
-against.
+against. ``attention_with_probabilities`` is that reference alone, for what the kernels cannot give: it returns the
+probabilities too and takes transformers' custom 4-D masks.
 
 Semantics shared by every backend: query row ``i`` sits at position ``query_offset + i`` and key ``j`` at ``j``
 (positions restart at 0 in every varlen segment); ``causal`` hides keys after the query; ``key_padding_mask`` is
