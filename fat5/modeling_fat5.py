@@ -9,6 +9,7 @@ cross-entropy with z-loss.
 
 import copy
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,128 +34,15 @@ from transformers.utils import logging
 
 from .configuration_fat5 import FAT5Config
 from .kernels.activation import ACTIVATIONS, gated_activation
-from .kernels.attention import attention, attention_varlen
+from .kernels.attention import attention, attention_varlen, attention_with_probabilities
 from .kernels.cross_entropy import cross_entropy
 from .kernels.linear_cross_entropy import linear_cross_entropy
 from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
+from .token_layout import TokenLayout
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class TokenLayout:
-    """Where the real tokens of a (batch, length) block of hidden states are.
-
-    Padded batches carry a ``padding_mask``. Packed batches (several examples per row) are cut into segments for the
-    varlen attention, which keeps examples apart: each row into one segment per example slot of the batch (empty
-    where the row holds fewer examples) and a last one for its padding tail. The segments then follow the tokens'
-    own row-major order, so the hidden states reach the varlen attention as a view, with no gather or scatter; a
-    padding tail attends only to itself, and the loss never reads what it produces. ``examples`` says which example
-    slots of each row hold tokens (the decoder's must match the encoder's; None for a layout the caller built, see
-    :meth:`given`). ``position_ids`` restart at 0 in every
-    segment (packed) or start at ``query_offset``, the cache length when decoding: an int, or a one-element tensor
-    with a static cache, whose length lives on the device.
-    """
-
-    position_ids: torch.Tensor
-    query_offset: int | torch.Tensor = 0
-    padding_mask: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    max_seqlen: int = 0
-    examples: torch.Tensor | None = None
-
-    @property
-    def is_packed(self) -> bool:
-        return self.cu_seqlens is not None
-
-    @classmethod
-    def padded(
-        cls, batch_size, length, attention_mask=None, offset=0, device=None, mask_name="attention_mask"
-    ) -> "TokenLayout":
-        """A mask must cover the cached tokens and the new ones, ``offset + length``. With a static cache the offset
-        is a tensor on the device, not read back here: the attention pads such a mask to the cache's whole buffer."""
-        position_ids = (torch.arange(length, device=device) + offset).expand(batch_size, length)
-        padding_mask = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-                raise ValueError(
-                    f"{mask_name} must be (batch, length) with batch {batch_size}, got {tuple(attention_mask.shape)}"
-                )
-            if isinstance(offset, int) and attention_mask.shape[1] != offset + length:
-                cached = f" ({offset} cached and {length} new)" if offset else ""
-                raise ValueError(
-                    f"{mask_name}: the attention mask covers {attention_mask.shape[1]} positions but there are "
-                    f"{offset + length} tokens{cached}"
-                )
-            padding_mask = attention_mask.to(device=device, dtype=torch.bool)
-        return cls(position_ids=position_ids, query_offset=offset, padding_mask=padding_mask)
-
-    @classmethod
-    def packed(cls, segment_ids: torch.Tensor) -> "TokenLayout":
-        """From (batch, length) segment ids: 1, 2, ... for the examples of a row, in order, then 0 on padding.
-
-        Two reads back to the host (the number of example slots with the validity check, then the longest
-        segment), both before any of the model's kernels."""
-        if segment_ids.dim() != 2 or segment_ids.dtype.is_floating_point:
-            raise ValueError(f"segment_ids must be a (batch, length) integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}")
-        batch_size, length = segment_ids.shape
-        ids = segment_ids.long()
-        if ids.numel() == 0:
-            empty = torch.zeros(1, dtype=torch.int32, device=ids.device)
-            return cls(position_ids=ids, cu_seqlens=empty, examples=ids.new_zeros((batch_size, 0), dtype=torch.bool))
-        # padding takes the slot after the last example, so that a valid row's slots never decrease
-        slots_per_row = ids.max() + 1
-        slots = torch.where(ids > 0, ids - 1, slots_per_row - 1)
-        invalid = (ids < 0).any() | (slots[:, 1:] < slots[:, :-1]).any()
-        slots_per_row, invalid = torch.stack([slots_per_row, invalid.long()]).tolist()
-        if invalid:
-            raise ValueError(
-                "segment_ids must number each row's examples 1, 2, 3, ... in increasing order, each in one contiguous "
-                "run, with padding (0) only after a row's last example"
-            )
-        row_slots = (torch.arange(batch_size, device=ids.device)[:, None] * slots_per_row + slots).flatten()
-        counts = torch.bincount(row_slots, minlength=batch_size * slots_per_row)
-        cu_seqlens = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=ids.device)
-        cu_seqlens[1:] = torch.cumsum(counts, 0)
-        positions = torch.arange(row_slots.numel(), device=ids.device) - cu_seqlens[:-1].long()[row_slots]
-        return cls(
-            position_ids=positions.view(batch_size, length),
-            cu_seqlens=cu_seqlens,
-            max_seqlen=int(counts.max()),
-            examples=counts.view(batch_size, slots_per_row)[:, :-1] > 0,
-        )
-
-    @classmethod
-    def given(cls, segment_ids: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor,
-              name: str = "") -> "TokenLayout":
-        """A packed layout that the caller built (the UL2 collator does, in the dataloader's workers), so that the
-        step reads nothing back from the device: only shapes and dtypes are checked here.
-
-        ``cu_seqlens`` may cut the tokens into any segments that follow the row-major order and never cross a row;
-        empty segments (repeated offsets) are allowed, so that a batch of fixed shape can hold a varying number of
-        examples. ``max_seqlen`` is the row length, an upper bound known without a device read (the kernels' grid
-        covers it; the segments' true lengths come from ``cu_seqlens``)."""
-        prefix = f"{name}_" if name else ""
-        batch_size, length = segment_ids.shape
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"{prefix}cu_seqlens must be a 1-D integer tensor of segment offsets (0, ..., {batch_size * length}), "
-                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-            )
-        if position_ids is None or tuple(position_ids.shape) != (batch_size, length):
-            shape = None if position_ids is None else tuple(position_ids.shape)
-            raise ValueError(
-                f"{prefix}cu_seqlens comes with {prefix}segment_position_ids of the segment ids' shape "
-                f"{(batch_size, length)} (each token's position in its segment), got {shape}"
-            )
-        device = segment_ids.device
-        return cls(
-            position_ids=position_ids.to(device, non_blocking=True),
-            cu_seqlens=cu_seqlens.to(device, torch.int32, non_blocking=True),
-            max_seqlen=length,
-        )
 
 
 # transformers 5.24 renamed its models' KV-cache argument and output field from `past_key_values` to `cache` (the old
@@ -172,12 +60,18 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def _given_cache(cache, past_key_values):
+def _given_cache(cache, past_key_values, owner):
     """The KV cache of a call that may name one twice. transformers' name, ``cache``, wins, as in T5, except while it
     is still empty: PEFT's prefix tuning hands its prefix as ``past_key_values`` to every step of ``generate`` (it
     takes each for the first, the cache being named ``cache`` now), next to generate's own cache, empty at the first
     step. T5 reads the empty one there, so its generation ignores the prefix that its training used; FAT5 starts
-    from the prefix, and then goes on with the cache that grew from it."""
+    from the prefix, and then goes on with the cache that grew from it. The old name is deprecated where the
+    installed transformers has the new one, and says so as T5 does (``owner``: the module called)."""
+    if past_key_values is not None and _CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
+        warnings.warn(
+            f"`past_key_values` is deprecated and will be removed in version 5.40.0 for `{type(owner).__name__}."
+            "forward`. Use `cache` instead.", FutureWarning, stacklevel=3,
+        )
     if cache is None or (past_key_values is not None and cache.get_seq_length() == 0):
         return past_key_values if past_key_values is not None else cache
     return cache
@@ -432,44 +326,62 @@ class FAT5Attention(nn.Module):
         key_value_layout: TokenLayout | None = None,
         shared_position: tuple[torch.Tensor, ...] = (),
         past_key_values: EncoderDecoderCache | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Returns the output and the position parameters that the later layers of the stack use (in the order of
-        ``position_parameter_names``): copies of this layer's own when it has some, else ``shared_position`` (the
-        first layer's) passed on."""
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """Returns the output, the position parameters that the later layers of the stack use (in the order of
+        ``position_parameter_names``: copies of this layer's own when it has some, else ``shared_position``, the
+        first layer's, passed on) and, with ``output_attentions``, the attention probabilities (batch, heads,
+        query, key), else None."""
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
         query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
-
-        query_offset = 0 if self.is_cross_attention else layout.query_offset
         if self.position_encoding == "rope":
             query = self._rotate(query, layout.position_ids)
+        key, value = self._keys_values(hidden_states, key_value_states, key_value_layout, past_key_values)
 
-        if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
-            cached = past_key_values.cross_attention_cache.layers[self.layer_idx]
-            key, value = cached.keys, cached.values
-        else:
-            source = key_value_states if self.is_cross_attention else hidden_states
-            kv_shape = (batch_size, source.shape[1], self.n_heads, self.key_value_proj_dim)
-            key = self.k(source).view(kv_shape).transpose(1, 2)
-            value = self.v(source).view(kv_shape).transpose(1, 2)
-            if self.position_encoding == "rope":
-                key = self._rotate(key, key_value_layout.position_ids)
-            if past_key_values is not None:
-                if self.is_cross_attention:
-                    key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
-                    past_key_values.is_updated[self.layer_idx] = True
-                else:
-                    key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
-
-        key_length = key.shape[2]
-        dropout_p = self.dropout if self.training else 0.0
-        # the fused kernels do not drop attention probabilities: training with attention dropout takes the reference
-        backend = "reference" if dropout_p > 0 else self.backend
-
+        query_offset = 0 if self.is_cross_attention else layout.query_offset
         if layout.is_packed:
             position_lengths = (layout.max_seqlen, key_value_layout.max_seqlen, 0)
         else:
-            position_lengths = (query_length, key_length, query_offset)
+            position_lengths = (query_length, key.shape[2], query_offset)
+        position_bias, shared_position = self._position_bias_and_shared(shared_position, position_lengths, query.device)
+
+        dropout_p = self.dropout if self.training else 0.0
+        if layout.is_packed:
+            output, probabilities = self._attend_packed(
+                query, key, value, layout, key_value_layout, position_bias, dropout_p
+            ), None
+        else:
+            output, probabilities = self._attend(
+                query, key, value, key_value_layout, query_offset, position_bias, dropout_p, past_key_values,
+                output_attentions,
+            )
+        # reshape: below the kernels' smallest head dim the output is a slice of a padded one (not contiguous)
+        return self.o(output.reshape(batch_size, query_length, self.inner_dim)), shared_position, probabilities
+
+    def _keys_values(self, hidden_states, key_value_states, key_value_layout, past_key_values):
+        """The keys and values that the queries attend to, through the KV cache when there is one (a cross-attention
+        layer projects the encoder's states once and reads them back at every later step)."""
+        if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+            cached = past_key_values.cross_attention_cache.layers[self.layer_idx]
+            return cached.keys, cached.values
+        source = key_value_states if self.is_cross_attention else hidden_states
+        kv_shape = (source.shape[0], source.shape[1], self.n_heads, self.key_value_proj_dim)
+        key = self.k(source).view(kv_shape).transpose(1, 2)
+        value = self.v(source).view(kv_shape).transpose(1, 2)
+        if self.position_encoding == "rope":
+            key = self._rotate(key, key_value_layout.position_ids)
+        if past_key_values is None:
+            return key, value
+        if self.is_cross_attention:
+            key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+            return key, value
+        return past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+
+    def _position_bias_and_shared(self, shared_position, position_lengths, device):
+        """The PositionBias of this layer (from its own position parameters or the first layer's) and the parameters
+        that it passes on to the later layers."""
         position_source = None
         if self.has_relative_attention_bias:
             own = self._own_position_parameters()
@@ -480,38 +392,72 @@ class FAT5Attention(nn.Module):
         elif shared_position:
             shared = dict(zip(self.position_parameter_names, shared_position))
             position_source = self._position_source(shared, *position_lengths)
-        position_bias = self._position_bias(position_source, query.device)
+        return self._position_bias(position_source, device), shared_position
 
-        if layout.is_packed:
-            # the segments follow the tokens' row-major order (TokenLayout): the batch viewed as one row of tokens
-            flat_shape = (-1, self.n_heads, self.key_value_proj_dim)
-            output = attention_varlen(
-                query.transpose(1, 2).reshape(flat_shape), key.transpose(1, 2).reshape(flat_shape),
-                value.transpose(1, 2).reshape(flat_shape), layout.cu_seqlens, key_value_layout.cu_seqlens,
-                layout.max_seqlen, key_value_layout.max_seqlen,
-                position_bias=position_bias, scale=self.scale, causal=self.causal, dropout_p=dropout_p, backend=backend,
-            )
-            # reshape: below the kernels' smallest head dim the output is a slice of a padded one (not contiguous)
-            output = output.reshape(batch_size, query_length, self.inner_dim)
+    def _attend_packed(self, query, key, value, layout, key_value_layout, position_bias, dropout_p):
+        """The varlen attention over packed rows: (tokens, heads, head_dim)."""
+        # the segments follow the tokens' row-major order (TokenLayout): the batch viewed as one row of tokens
+        flat_shape = (-1, self.n_heads, self.key_value_proj_dim)
+        return attention_varlen(
+            query.transpose(1, 2).reshape(flat_shape), key.transpose(1, 2).reshape(flat_shape),
+            value.transpose(1, 2).reshape(flat_shape), layout.cu_seqlens, key_value_layout.cu_seqlens,
+            layout.max_seqlen, key_value_layout.max_seqlen, position_bias=position_bias, scale=self.scale,
+            causal=self.causal, dropout_p=dropout_p, backend=self._backend(dropout_p),
+        )
+
+    def _attend(self, query, key, value, key_value_layout, query_offset, position_bias, dropout_p, past_key_values,
+                output_attentions):
+        """Attention over padded rows, (batch, query, heads, head_dim), and the probabilities when asked for: the
+        fused kernels take the causal flag and a key padding mask; a custom 4-D mask or the probabilities take the
+        materialising reference, for this call only (the numerics are the kernels')."""
+        arguments = {"position_bias": position_bias, "scale": self.scale, "query_offset": query_offset,
+                     "dropout_p": dropout_p}
+        custom_mask = key_value_layout.attention_mask
+        if custom_mask is not None:
+            self._check_custom_mask(custom_mask, query.shape[2], key.shape[2])
+            output, probabilities = attention_with_probabilities(query, key, value, attention_mask=custom_mask,
+                                                                 **arguments)
         else:
-            key_padding_mask = key_value_layout.padding_mask
-            narrow_mask = key_padding_mask is not None and key_padding_mask.shape[1] < key_length
-            if narrow_mask and self._static_cache(past_key_values):
-                # a static cache's keys are its whole buffer; the slots after the written ones are hidden (causal)
-                key_padding_mask = nn.functional.pad(key_padding_mask, (0, key_length - key_padding_mask.shape[1]))
-            if key_padding_mask is not None and key_padding_mask.shape[1] != key_length:
-                raise ValueError(
-                    f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
-                    "keys (a decoder mask wider than the static cache it decodes into, or a cache filled for other "
-                    "inputs)"
-                )
-            output = attention(
-                query, key, value,
-                scale=self.scale, causal=self.causal, key_padding_mask=key_padding_mask, query_offset=query_offset,
-                dropout_p=dropout_p, backend=backend, position_bias=position_bias,
+            arguments.update(causal=self.causal,
+                             key_padding_mask=self._key_padding_mask(key_value_layout, key.shape[2], past_key_values))
+            if output_attentions:
+                output, probabilities = attention_with_probabilities(query, key, value, **arguments)
+            else:
+                output = attention(query, key, value, **arguments, backend=self._backend(dropout_p))
+                probabilities = None
+        return output.transpose(1, 2), probabilities if output_attentions else None
+
+    def _backend(self, dropout_p: float) -> str:
+        # the fused kernels do not drop attention probabilities: training with attention dropout takes the reference
+        return "reference" if dropout_p > 0 else self.backend
+
+    def _key_padding_mask(self, key_value_layout, key_length, past_key_values):
+        key_padding_mask = key_value_layout.padding_mask
+        narrow_mask = key_padding_mask is not None and key_padding_mask.shape[1] < key_length
+        if narrow_mask and self._static_cache(past_key_values):
+            # a static cache's keys are its whole buffer; the slots after the written ones are hidden (causal)
+            key_padding_mask = nn.functional.pad(key_padding_mask, (0, key_length - key_padding_mask.shape[1]))
+        if key_padding_mask is not None and key_padding_mask.shape[1] != key_length:
+            raise ValueError(
+                f"the attention mask covers {key_padding_mask.shape[1]} positions but attention sees {key_length} "
+                "keys (a decoder mask wider than the static cache it decodes into, or a cache filled for other "
+                "inputs)"
             )
-            output = output.transpose(1, 2).reshape(batch_size, query_length, self.inner_dim)
-        return self.o(output), shared_position
+        return key_padding_mask
+
+    def _check_custom_mask(self, mask, query_length, key_length):
+        if mask.shape[2] in (1, query_length) and mask.shape[3] == key_length:
+            return
+        if self.is_cross_attention:
+            raise ValueError(
+                f"the encoder's 4-D attention mask {tuple(mask.shape)} also masks the decoder's cross-attention, as in "
+                f"T5, which has {query_length} queries and {key_length} keys: its query dimension must be 1 or "
+                f"{query_length} (give the encoder's outputs and a 2-D mask, or a (batch, 1, 1, {key_length}) mask)"
+            )
+        raise ValueError(
+            f"a 4-D attention mask is (batch, 1, query_length or 1, key_length) = (batch, 1, {query_length}, "
+            f"{key_length}) here (the keys include the cached ones), got {tuple(mask.shape)}"
+        )
 
 
 class FAT5LayerSelfAttention(nn.Module):
@@ -523,11 +469,12 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, shared_position=(), past_key_values=None):
-        attention_output, shared_position = self.SelfAttention(
-            self.layer_norm(hidden_states), layout, shared_position=shared_position, past_key_values=past_key_values
+    def forward(self, hidden_states, layout, shared_position=(), past_key_values=None, output_attentions=False):
+        attention_output, shared_position, probabilities = self.SelfAttention(
+            self.layer_norm(hidden_states), layout, shared_position=shared_position, past_key_values=past_key_values,
+            output_attentions=output_attentions,
         )
-        return hidden_states + self.dropout(attention_output), shared_position
+        return hidden_states + self.dropout(attention_output), shared_position, probabilities
 
 
 class FAT5LayerCrossAttention(nn.Module):
@@ -537,15 +484,17 @@ class FAT5LayerCrossAttention(nn.Module):
         self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None):
-        attention_output, _ = self.EncDecAttention(
+    def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None,
+                output_attentions=False):
+        attention_output, _, probabilities = self.EncDecAttention(
             self.layer_norm(hidden_states),
             layout,
             key_value_states=key_value_states,
             key_value_layout=key_value_layout,
             past_key_values=past_key_values,
+            output_attentions=output_attentions,
         )
-        return hidden_states + self.dropout(attention_output)
+        return hidden_states + self.dropout(attention_output), probabilities
 
 
 class FAT5Block(GradientCheckpointingLayer):
@@ -570,19 +519,27 @@ class FAT5Block(GradientCheckpointingLayer):
         encoder_layout=None,
         past_key_values=None,
         *shared_position,
+        output_attentions=False,
     ):
-        """Returns the hidden states followed by the shared position parameters (see ``FAT5Attention.forward``).
+        """Returns the hidden states, the self-attention's and the cross-attention's probabilities (None unless
+        ``output_attentions``; the cross-attention's also None where there is none), then the shared position
+        parameters (see ``FAT5Attention.forward``).
 
         The shared parameters come in and go out as tensors of their own, not in a container: reentrant gradient
         checkpointing (``use_reentrant=True``) carries gradients only through the tensors among a block's arguments
         and outputs, and would lose the later blocks' share of the first block's bias table."""
-        hidden_states, shared_position = self.layer[0](hidden_states, layout, shared_position, past_key_values)
+        hidden_states, shared_position, self_probabilities = self.layer[0](
+            hidden_states, layout, shared_position, past_key_values, output_attentions
+        )
         hidden_states = _clamp_fp16(hidden_states)
+        cross_probabilities = None
         if self.is_decoder and encoder_hidden_states is not None:
-            hidden_states = _clamp_fp16(
-                self.layer[1](hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values)
+            hidden_states, cross_probabilities = self.layer[1](
+                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, output_attentions
             )
-        return _clamp_fp16(self.layer[-1](hidden_states)), *shared_position
+            hidden_states = _clamp_fp16(hidden_states)
+        hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
+        return hidden_states, self_probabilities, cross_probabilities, *shared_position
 
 
 class FAT5Stack(nn.Module):
@@ -629,22 +586,48 @@ class FAT5Stack(nn.Module):
         layout=None,
         encoder_layout=None,
         use_cache=None,
+        output_attentions=None,
         **kwargs,
     ):
         """``layout`` / ``encoder_layout``: the TokenLayout of ``segment_ids`` / ``encoder_segment_ids`` when the
         caller has built it already (the seq2seq models build the encoder's once for both stacks: each build reads
         two numbers back to the host). ``use_cache=True`` on the decoder called on its own starts a KV cache, returned
-        in the output, from which a later call continues (T5's stack does so; the models pass theirs)."""
+        in the output, from which a later call continues (T5's stack does so; the models pass theirs).
+        ``attention_mask`` may be a custom 4-D mask (see :class:`TokenLayout`); ``output_attentions`` returns the
+        attention probabilities, as T5's eager attention does: both run the materialising attention for the call."""
         _check_supported_arguments(self.config, kwargs)
-        past_key_values = _given_cache(cache, past_key_values)
+        past_key_values = _given_cache(cache, past_key_values, self)
         if use_cache and self.is_decoder and past_key_values is None and segment_ids is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        output_attentions = _asks_for_attentions(self.config, output_attentions)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        layout = self._layout(inputs_embeds, attention_mask, segment_ids, layout, past_key_values)
+        if output_attentions and layout.is_packed:
+            raise ValueError(
+                "output_attentions=True needs padded rows: packed rows (segment_ids) attend per segment, through the "
+                "varlen kernels, and have no (batch, heads, query, key) probabilities"
+            )
+        if encoder_hidden_states is not None:
+            encoder_layout = self._encoder_layout(
+                layout, inputs_embeds, encoder_hidden_states, encoder_attention_mask, encoder_segment_ids,
+                encoder_layout,
+            )
+            autocast_dtype = _autocast_dtype(encoder_hidden_states.device.type)
+            if autocast_dtype is not None:
+                # cast once here instead of by autocast at every cross-attention's k and v (and as often back)
+                encoder_hidden_states = encoder_hidden_states.to(autocast_dtype)
+        output = self._run_blocks(
+            inputs_embeds, layout, encoder_hidden_states, encoder_layout, past_key_values, output_hidden_states,
+            output_attentions,
+        )
+        return _as_requested(output, return_dict, self.config)
+
+    def _layout(self, inputs_embeds, attention_mask, segment_ids, layout, past_key_values) -> TokenLayout:
         batch_size, length = inputs_embeds.shape[:2]
         if segment_ids is not None:
             if attention_mask is not None:
@@ -653,54 +636,59 @@ class FAT5Stack(nn.Module):
                 raise ValueError("packed rows (segment_ids) cannot be decoded with a KV cache")
             if segment_ids.shape != (batch_size, length):
                 raise ValueError(f"segment_ids must be {(batch_size, length)}, got {tuple(segment_ids.shape)}")
-            layout = layout if layout is not None else TokenLayout.packed(segment_ids)
-        else:
-            offset = past_key_values.get_seq_length() if past_key_values is not None else 0
-            if isinstance(offset, torch.Tensor):
-                # a static cache's length: a tensor that each layer's update advances in place, so read it once here
-                offset = offset.clone()
-            layout = TokenLayout.padded(
-                batch_size, length, attention_mask, offset, inputs_embeds.device,
-                mask_name="decoder_attention_mask" if self.is_decoder else "attention_mask",
-            )
+            return layout if layout is not None else TokenLayout.packed(segment_ids)
+        offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if isinstance(offset, torch.Tensor):
+            # a static cache's length: a tensor that each layer's update advances in place, so read it once here
+            offset = offset.clone()
+        return TokenLayout.padded(
+            batch_size, length, attention_mask, offset, inputs_embeds.device,
+            mask_name="decoder_attention_mask" if self.is_decoder else "attention_mask",
+        )
 
-        if encoder_hidden_states is None:
-            encoder_layout = None
-        else:
-            if encoder_segment_ids is not None:
-                if encoder_layout is None:
-                    encoder_layout = TokenLayout.packed(encoder_segment_ids)
-                _check_same_examples(layout, encoder_layout)
-            else:
-                if layout.is_packed:
-                    raise ValueError("packed decoder rows (decoder_segment_ids) need the encoder's segment_ids")
-                encoder_layout = TokenLayout.padded(
-                    batch_size, encoder_hidden_states.shape[1], encoder_attention_mask, device=inputs_embeds.device,
-                    mask_name="the encoder's attention_mask",
-                )
-            autocast_dtype = _autocast_dtype(encoder_hidden_states.device.type)
-            if autocast_dtype is not None:
-                # cast once here instead of by autocast at every cross-attention's k and v (and as often back)
-                encoder_hidden_states = encoder_hidden_states.to(autocast_dtype)
+    @staticmethod
+    def _encoder_layout(layout, inputs_embeds, encoder_hidden_states, encoder_attention_mask, encoder_segment_ids,
+                        encoder_layout) -> TokenLayout:
+        """The layout of the encoder's tokens, which the cross-attention reads as keys."""
+        if encoder_segment_ids is not None:
+            if encoder_layout is None:
+                encoder_layout = TokenLayout.packed(encoder_segment_ids)
+            _check_same_examples(layout, encoder_layout)
+            return encoder_layout
+        if layout.is_packed:
+            raise ValueError("packed decoder rows (decoder_segment_ids) need the encoder's segment_ids")
+        return TokenLayout.padded(
+            inputs_embeds.shape[0], encoder_hidden_states.shape[1], encoder_attention_mask,
+            device=inputs_embeds.device, mask_name="the encoder's attention_mask",
+        )
 
+    def _run_blocks(self, inputs_embeds, layout, encoder_hidden_states, encoder_layout, past_key_values,
+                    output_hidden_states, output_attentions) -> BaseModelOutputWithPastAndCrossAttentions:
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
         # as a reference to the first block, whose parameters FSDP shards again once it has run
         shared_position = ()
         all_hidden_states = () if output_hidden_states else None
+        attentions = () if output_attentions else None
+        cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         hidden_states = self.dropout(inputs_embeds)
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, *shared_position = block(
-                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, *shared_position
+            hidden_states, self_probabilities, cross_probabilities, *shared_position = block(
+                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, *shared_position,
+                output_attentions=output_attentions,
             )
+            if output_attentions:
+                attentions += (self_probabilities,)
+            if cross_attentions is not None:
+                cross_attentions += (cross_probabilities,)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        output = BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{_CACHE_FIELD: past_key_values}
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=attentions,
+            cross_attentions=cross_attentions, **{_CACHE_FIELD: past_key_values},
         )
-        return _as_requested(output, return_dict, self.config)
 
 
 def _check_same_examples(layout: TokenLayout, encoder_layout: TokenLayout) -> None:
@@ -749,19 +737,17 @@ _HEAD_MASKS = ("head_mask", "decoder_head_mask", "cross_attn_head_mask")
 
 def _check_supported_arguments(config: FAT5Config, kwargs: dict) -> None:
     """Refuse by name what the fused attention cannot do, instead of silently returning or computing something else."""
-    output_attentions = kwargs.get("output_attentions")
-    if output_attentions if output_attentions is not None else config.output_attentions:
-        raise ValueError(
-            "output_attentions=True (argument or config.output_attentions) is not supported: FAT5's fused attention "
-            "never materialises the attention probabilities. To inspect them, export the model with `fat5 export-hf` "
-            '(T5 position encoding) and load it in transformers\' T5 with attn_implementation="eager"'
-        )
     head_masks = [name for name in _HEAD_MASKS if kwargs.get(name) is not None]
     if head_masks:
         raise ValueError(
             f"{', '.join(head_masks)} is not supported: FAT5's fused attention cannot mask or weight single heads "
             "(transformers 5 removed these arguments from T5 too)"
         )
+
+
+def _asks_for_attentions(config: FAT5Config, output_attentions: bool | None) -> bool:
+    """T5's ``output_attentions``: the argument, else the config's."""
+    return config.output_attentions if output_attentions is None else bool(output_attentions)
 
 
 # JAX's truncated normal, cut at two standard deviations, has a standard deviation of this many: T5X divides the scale
@@ -1052,19 +1038,17 @@ class FAT5PreTrainedModel(PreTrainedModel):
 _STACK_EMBEDDINGS = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
 
 
-class FAT5Model(FAT5PreTrainedModel):
-    """The bare encoder-decoder, returning the decoder's last hidden states."""
+class _FAT5EncoderDecoder(FAT5PreTrainedModel):
+    """The encoder-decoder's parts, which the bare model and the language model share: the embedding and both stacks
+    that read it. A subclass adds its head, then calls ``post_init``."""
 
     _tied_weights_keys = _STACK_EMBEDDINGS
-    # a checkpoint of the full model loads quietly without its head, as in T5Model
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
         self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
-        self.post_init()
 
     def get_input_embeddings(self):
         return self.shared
@@ -1079,6 +1063,17 @@ class FAT5Model(FAT5PreTrainedModel):
 
     def get_decoder(self):
         return self.decoder
+
+
+class FAT5Model(_FAT5EncoderDecoder):
+    """The bare encoder-decoder, returning the decoder's last hidden states."""
+
+    # a checkpoint of the full model loads quietly without its head, as in T5Model
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.post_init()
 
     def forward(
         self,
@@ -1100,6 +1095,7 @@ class FAT5Model(FAT5PreTrainedModel):
         segment_position_ids=None,
         decoder_cu_seqlens=None,
         decoder_segment_position_ids=None,
+        output_attentions=None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1108,15 +1104,14 @@ class FAT5Model(FAT5PreTrainedModel):
                          "decoder_segment_position_ids": decoder_segment_position_ids}
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
+            _given_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, segment_ids,
             decoder_segment_ids, use_cache, output_hidden_states, packed_layout,
+            _asks_for_attentions(self.config, output_attentions),
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
+            **_seq2seq_states(encoder_outputs, decoder_outputs),
         )
         return _as_requested(output, return_dict, self.config)
 
@@ -1124,14 +1119,15 @@ class FAT5Model(FAT5PreTrainedModel):
 def _encode_decode(
     model, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
     inputs_embeds, decoder_inputs_embeds, segment_ids, decoder_segment_ids, use_cache, output_hidden_states,
-    packed_layout=None,
+    packed_layout=None, output_attentions=False,
 ):
     """Run the encoder (unless its outputs are given) and the decoder, creating the KV cache when asked.
 
     ``packed_layout``: the packed rows' layout as the caller built it (``cu_seqlens``, ``segment_position_ids`` and
-    their ``decoder_`` twins, see :meth:`TokenLayout.given`), None where not given. The caller has refused
-    output_attentions already: the stacks are told False, so that an explicit False is not overruled by
-    config.output_attentions."""
+    their ``decoder_`` twins, see :meth:`TokenLayout.given`), None where not given. ``output_attentions``: the
+    caller's answer, argument or config (the stacks are told it, so that an explicit False is not overruled by
+    config.output_attentions). The encoder's ``attention_mask`` also masks the decoder's cross-attention, a custom
+    4-D one included, as in T5."""
     packed_layout = packed_layout or {}
     encoder_layout = _given_layout(segment_ids, packed_layout, "")
     decoder_layout = _given_layout(decoder_segment_ids, packed_layout, "decoder")
@@ -1145,13 +1141,14 @@ def _encode_decode(
             segment_ids=segment_ids,
             layout=encoder_layout,
             output_hidden_states=output_hidden_states,
-            output_attentions=False,
+            output_attentions=output_attentions,
             return_dict=True,
         )
     elif not isinstance(encoder_outputs, BaseModelOutput):
         encoder_outputs = BaseModelOutput(
             last_hidden_state=encoder_outputs[0],
             hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+            attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
         )
     use_cache = model.config.use_cache if use_cache is None else use_cache
     # use_cache=False makes no cache, but reads one that is given, as T5 does (PEFT's prefix tuning gives its prefix
@@ -1168,9 +1165,9 @@ def _encode_decode(
         encoder_attention_mask=attention_mask,
         encoder_segment_ids=segment_ids,
         encoder_layout=encoder_layout,
-        past_key_values=past_key_values,
+        cache=past_key_values,
         output_hidden_states=output_hidden_states,
-        output_attentions=False,
+        output_attentions=output_attentions,
         return_dict=True,
     )
     return encoder_outputs, decoder_outputs
@@ -1193,6 +1190,23 @@ def _given_layout(segment_ids, packed_layout: dict, stack: str) -> TokenLayout |
     return TokenLayout.given(segment_ids, cu_seqlens, position_ids, name=stack)
 
 
+# the fields of T5's seq2seq outputs that carry the stacks' states
+_SEQ2SEQ_STATES = ("decoder_hidden_states", "decoder_attentions", "cross_attentions", "encoder_last_hidden_state",
+                   "encoder_hidden_states", "encoder_attentions")
+
+
+def _seq2seq_states(encoder_outputs, decoder_outputs) -> dict:
+    """The hidden states and attention probabilities of both stacks, under the names of T5's seq2seq outputs."""
+    return {
+        "decoder_hidden_states": decoder_outputs.hidden_states,
+        "decoder_attentions": decoder_outputs.attentions,
+        "cross_attentions": decoder_outputs.cross_attentions,
+        "encoder_last_hidden_state": encoder_outputs.last_hidden_state,
+        "encoder_hidden_states": encoder_outputs.hidden_states,
+        "encoder_attentions": encoder_outputs.attentions,
+    }
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     if not torch.distributed.is_available():
         return False
@@ -1201,7 +1215,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
+class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
     """FAT5 with its language-modelling head: training with fused cross-entropy + z-loss, and ``generate``.
 
     Besides T5's arguments, ``forward`` takes ``segment_ids`` and ``decoder_segment_ids`` for packed rows (several
@@ -1223,31 +1237,14 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self.model_dim = config.d_model
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
-        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.shared
-
-    def set_input_embeddings(self, new_embeddings):
-        self.shared = new_embeddings
-        self.encoder.embed_tokens = new_embeddings
-        self.decoder.embed_tokens = new_embeddings
 
     def get_output_embeddings(self):
         return self.lm_head
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
-
-    def get_encoder(self):
-        return self.encoder
-
-    def get_decoder(self):
-        return self.decoder
 
     def forward(
         self,
@@ -1272,6 +1269,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
         segment_position_ids=None,
         decoder_cu_seqlens=None,
         decoder_segment_position_ids=None,
+        output_attentions=None,
         **kwargs,
     ) -> FAT5Seq2SeqLMOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1289,34 +1287,36 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
                          "decoder_segment_position_ids": decoder_segment_position_ids}
         encoder_outputs, decoder_outputs = _encode_decode(
             self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            _given_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, segment_ids,
+            _given_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, segment_ids,
             decoder_segment_ids, use_cache, output_hidden_states, packed_layout,
+            _asks_for_attentions(self.config, output_attentions),
         )
-        sequence_output = decoder_outputs.last_hidden_state
+        logits, ce_loss, z_loss = self._logits_and_loss(decoder_outputs.last_hidden_state, labels, num_items_in_batch)
+        output = FAT5Seq2SeqLMOutput(
+            loss=None if ce_loss is None else ce_loss + z_loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
+            **_seq2seq_states(encoder_outputs, decoder_outputs),
+            ce_loss=ce_loss if return_loss_parts else None,
+            z_loss=z_loss if return_loss_parts else None,
+        )
+        return _as_requested(output, return_dict, self.config)
+
+    def _logits_and_loss(self, sequence_output, labels, num_items_in_batch):
+        """The logits (None where the chunked loss never forms them) and the loss's two parts (None without labels)."""
         if self.config.scale_decoder_outputs:
             sequence_output = sequence_output * (self.model_dim**-0.5)
-        loss = ce_loss = z_loss = logits = None
         if labels is not None and self._computes_chunked_lm_loss():
             ce_loss, z_loss = linear_cross_entropy(
                 sequence_output, self.lm_head.weight, labels.to(sequence_output.device), **self._lm_loss_options(),
                 num_items_in_batch=num_items_in_batch,
             )
-            loss = ce_loss + z_loss
-        else:
-            logits = self.lm_head(sequence_output)
-            if labels is not None:
-                loss, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
-        output = FAT5Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-            ce_loss=ce_loss if return_loss_parts else None,
-            z_loss=z_loss if return_loss_parts else None,
-        )
-        return _as_requested(output, return_dict, self.config)
+            return None, ce_loss, z_loss
+        logits = self.lm_head(sequence_output)
+        if labels is None:
+            return logits, None, None
+        _, ce_loss, z_loss = self._lm_loss(logits, labels, num_items_in_batch)
+        return logits, ce_loss, z_loss
 
     def _computes_chunked_lm_loss(self) -> bool:
         # The chunked loss reads lm_head.weight without calling lm_head: only a bare Linear's weight is the whole map
@@ -1398,6 +1398,7 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
         segment_ids=None,
         output_hidden_states=None,
         return_dict=None,
+        output_attentions=None,
         **kwargs,
     ) -> BaseModelOutput:
         _check_supported_arguments(self.config, kwargs)
@@ -1407,10 +1408,11 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
             inputs_embeds=inputs_embeds,
             segment_ids=segment_ids,
             output_hidden_states=output_hidden_states,
-            output_attentions=False,
+            output_attentions=_asks_for_attentions(self.config, output_attentions),
             return_dict=True,
         )
-        output = BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+        output = BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states,
+                                 attentions=outputs.attentions)
         return _as_requested(output, return_dict, self.config)
 
 
@@ -1432,14 +1434,14 @@ class _FAT5EncoderWithHead(FAT5PreTrainedModel):
         self.shared = new_embeddings
         self.encoder.embed_tokens = new_embeddings
 
-    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs):
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, kwargs):
         _check_supported_arguments(self.config, kwargs)
         return self.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
-            output_attentions=False,
+            output_attentions=_asks_for_attentions(self.config, output_attentions),
             return_dict=True,
         )
 
@@ -1458,7 +1460,8 @@ class FAT5ClassificationHead(nn.Module):
         return self.out_proj(self.dropout(hidden_states))
 
 
-def _encoder_only_outputs(model, input_ids, attention_mask, inputs_embeds, output_hidden_states, decoder_arguments):
+def _encoder_only_outputs(model, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
+                          decoder_arguments):
     """The encoder's outputs for an encoder-only head (config.encoder_only_heads), which has no decoder: decoder
     arguments are refused by name rather than ignored."""
     given = sorted(name for name, value in decoder_arguments.items() if value is not None)
@@ -1469,7 +1472,8 @@ def _encoder_only_outputs(model, input_ids, attention_mask, inputs_embeds, outpu
         )
     return model.encoder(
         input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-        output_hidden_states=output_hidden_states, output_attentions=False, return_dict=True,
+        output_hidden_states=output_hidden_states, output_attentions=_asks_for_attentions(model.config, output_attentions),
+        return_dict=True,
     )
 
 
@@ -1532,26 +1536,23 @@ class FAT5ForSequenceClassification(FAT5PreTrainedModel):
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
+        output_attentions=None,
         **kwargs,
     ) -> Seq2SeqSequenceClassifierOutput | SequenceClassifierOutput:
         _check_supported_arguments(self.config, kwargs)
+        num_items_in_batch = kwargs.get("num_items_in_batch")
         if self.config.encoder_only_heads:
-            outputs = _encoder_only_outputs(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, {
-                "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
-                "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
-                "use_cache": use_cache,
-            })
-            hidden_states = outputs.last_hidden_state
-            if attention_mask is None:
-                pooled = hidden_states.mean(dim=1)
-            else:
-                weights = attention_mask.to(hidden_states.dtype)[..., None]
-                pooled = (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
-            logits = self.classification_head(pooled)
-            loss = None
-            if labels is not None:
-                loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
-            output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+            outputs = _encoder_only_outputs(
+                self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, {
+                    "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
+                    "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
+                    "use_cache": use_cache,
+                })
+            logits = self.classification_head(_mean_of_tokens(outputs.last_hidden_state, attention_mask))
+            loss = None if labels is None else _sequence_classification_loss(self.config, logits, labels,
+                                                                              num_items_in_batch)
+            output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                              attentions=outputs.attentions)
             return _as_requested(output, return_dict, self.config)
 
         if input_ids is None:
@@ -1559,8 +1560,6 @@ class FAT5ForSequenceClassification(FAT5PreTrainedModel):
                 f"{type(self).__name__} needs input_ids: it classifies the decoder's state at the input's last EOS "
                 "token (inputs_embeds alone do not say where that is), as T5ForSequenceClassification"
             )
-        if labels is not None:
-            use_cache = False
         outputs = self.transformer(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1569,11 +1568,24 @@ class FAT5ForSequenceClassification(FAT5PreTrainedModel):
             encoder_outputs=encoder_outputs,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
+            use_cache=False if labels is not None else use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             return_dict=True,
         )
-        sequence_output = outputs.last_hidden_state
+        logits = self.classification_head(self._last_eos_states(input_ids, outputs.last_hidden_state))
+        loss = None if labels is None else _sequence_classification_loss(self.config, logits, labels,
+                                                                          num_items_in_batch)
+        output = Seq2SeqSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            **{name: getattr(outputs, name) for name in _SEQ2SEQ_STATES},
+        )
+        return _as_requested(output, return_dict, self.config)
+
+    def _last_eos_states(self, input_ids, sequence_output):
+        """The decoder's state at each row's last EOS token, T5's sentence representation."""
         eos_mask = input_ids.eq(self.config.eos_token_id).to(sequence_output.device)
         eos_counts = eos_mask.sum(dim=1)
         if eos_counts.min() < 1 or eos_counts.max() != eos_counts.min():
@@ -1582,20 +1594,20 @@ class FAT5ForSequenceClassification(FAT5PreTrainedModel):
                 f"{self.config.eos_token_id}), at least one; the rows hold {eos_counts.tolist()}"
             )
         batch_size, _, hidden_size = sequence_output.shape
-        sentence_representation = sequence_output[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
-        logits = self.classification_head(sentence_representation)
-        loss = None
-        if labels is not None:
-            loss = _sequence_classification_loss(self.config, logits, labels, kwargs.get("num_items_in_batch"))
-        output = Seq2SeqSequenceClassifierOutput(
-            loss=loss,
-            logits=logits,
-            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
+        return sequence_output[eos_mask, :].view(batch_size, -1, hidden_size)[:, -1, :]
+
+
+def _mean_of_tokens(hidden_states, attention_mask):
+    """The encoder-only classifier's sentence representation: the mean of the unpadded tokens' states."""
+    if attention_mask is None:
+        return hidden_states.mean(dim=1)
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            "the encoder-only classifier (config.encoder_only_heads) averages the tokens that a (batch, length) "
+            f"attention_mask keeps, so it needs one, not a custom {attention_mask.dim()}-D mask"
         )
-        return _as_requested(output, return_dict, self.config)
+    weights = attention_mask.to(hidden_states.dtype)[..., None]
+    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
 def _sequence_classification_loss(config, logits, labels, num_items_in_batch=None):
@@ -1637,9 +1649,10 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
         labels=None,
         output_hidden_states=None,
         return_dict=None,
+        output_attentions=None,
         **kwargs,
     ) -> TokenClassifierOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, kwargs)
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, kwargs)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -1651,7 +1664,8 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
             )
             if num_items_in_batch is not None:
                 loss = loss / num_items_in_batch
-        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                       attentions=outputs.attentions)
         return _as_requested(output, return_dict, self.config)
 
 
@@ -1699,12 +1713,13 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
+        output_attentions=None,
         **kwargs,
     ) -> Seq2SeqQuestionAnsweringModelOutput | QuestionAnsweringModelOutput:
         _check_supported_arguments(self.config, kwargs)
         if self.config.encoder_only_heads:
             encoder_outputs = _encoder_only_outputs(
-                self, input_ids, attention_mask, inputs_embeds, output_hidden_states, {
+                self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, {
                     "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": decoder_attention_mask,
                     "encoder_outputs": encoder_outputs, "decoder_inputs_embeds": decoder_inputs_embeds,
                     "use_cache": use_cache,
@@ -1717,23 +1732,17 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
                 self, input_ids, attention_mask,
                 _decoder_inputs_of(self, input_ids, decoder_input_ids, decoder_inputs_embeds),
                 decoder_attention_mask, encoder_outputs, None, inputs_embeds, decoder_inputs_embeds, None, None,
-                use_cache, output_hidden_states,
+                use_cache, output_hidden_states, output_attentions=_asks_for_attentions(self.config, output_attentions),
             )
             sequence_output = decoder_outputs.last_hidden_state
         start_logits, end_logits = self.qa_outputs(sequence_output).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
-            ignored = start_logits.shape[1]
-            start_loss = nn.functional.cross_entropy(
-                start_logits, start_positions.view(-1).clamp(0, ignored), ignore_index=ignored
-            )
-            end_loss = nn.functional.cross_entropy(
-                end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored
-            )
-            loss = (start_loss + end_loss) / 2
+            loss = _span_loss(start_logits, end_logits, start_positions, end_positions)
         if decoder_outputs is None:
             output = QuestionAnsweringModelOutput(
-                loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states
+                loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states,
+                attentions=encoder_outputs.attentions,
             )
         else:
             output = Seq2SeqQuestionAnsweringModelOutput(
@@ -1741,11 +1750,19 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
                 start_logits=start_logits,
                 end_logits=end_logits,
                 **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
-                decoder_hidden_states=decoder_outputs.hidden_states,
-                encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-                encoder_hidden_states=encoder_outputs.hidden_states,
+                **_seq2seq_states(encoder_outputs, decoder_outputs),
             )
         return _as_requested(output, return_dict, self.config)
+
+
+def _span_loss(start_logits, end_logits, start_positions, end_positions):
+    """transformers' extractive QA loss: the mean of the start's and the end's cross-entropies, positions beyond the
+    sequence ignored."""
+    ignored = start_logits.shape[1]
+    start_loss = nn.functional.cross_entropy(start_logits, start_positions.view(-1).clamp(0, ignored),
+                                             ignore_index=ignored)
+    end_loss = nn.functional.cross_entropy(end_logits, end_positions.view(-1).clamp(0, ignored), ignore_index=ignored)
+    return (start_loss + end_loss) / 2
 
 
 __all__ = [

@@ -565,8 +565,6 @@ def test_tied_model_shares_its_head(tmp_path):
 def test_bad_inputs_get_clear_errors():
     model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
     input_ids, attention_mask, labels = padded_batch()
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(input_ids=input_ids, labels=labels, output_attentions=True)
     with pytest.raises(ValueError, match="attention mask covers 5 positions"):
         model(input_ids=input_ids, attention_mask=attention_mask[:, :5], labels=labels)
     with pytest.raises(ValueError, match="segment_ids"):

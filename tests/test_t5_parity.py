@@ -119,6 +119,163 @@ def test_output_fields_and_positions_are_t5s(output_hidden_states):
     assert len(parts.to_tuple()) == len(expected.to_tuple())
 
 
+# 4. custom 4-D attention masks, as transformers' models take them
+
+
+def as_float_mask(mask):
+    """transformers' additive form of a bool mask: 0 where a key may be attended, the dtype's minimum elsewhere."""
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def custom_masks(batch_size, length):
+    """An encoder mask no 2-D mask can say (each query sees itself, the first key and the keys two steps away) and a
+    decoder mask that hides one earlier token from one row's later queries, on top of causality."""
+    position = torch.arange(length)
+    distance = (position[:, None] - position[None, :]).abs()
+    encoder = ((distance % 2 == 0) | (position[None, :] == 0)).expand(batch_size, 1, length, length).clone()
+    decoder = torch.ones(4, 4, dtype=torch.bool).tril().expand(batch_size, 1, 4, 4).clone()
+    decoder[1, 0, 2:, 1] = False
+    return encoder, decoder
+
+
+@pytest.mark.parametrize("form", ["bool", "float"])
+def test_custom_4d_masks_give_t5s_outputs(form):
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch()
+    encoder_mask, decoder_mask = custom_masks(*input_ids.shape)
+    if form == "float":
+        encoder_mask, decoder_mask = as_float_mask(encoder_mask), as_float_mask(decoder_mask)
+    decoder_input_ids = torch.tensor([[0, 5, 9, 17]] * len(input_ids))
+    # the encoder's mask masks the decoder's cross-attention too, as in T5: there a (batch, 1, 1, keys) one
+    cross_mask = attention_mask[:, None, None, :].bool()
+    if form == "float":
+        cross_mask = as_float_mask(cross_mask)
+    with torch.no_grad():
+        expected = hf.encoder(input_ids=input_ids, attention_mask=encoder_mask).last_hidden_state
+        actual = model.get_encoder()(input_ids=input_ids, attention_mask=encoder_mask).last_hidden_state
+        assert not torch.allclose(actual, model.get_encoder()(input_ids=input_ids).last_hidden_state, atol=1e-3)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+        arguments = {"input_ids": input_ids, "attention_mask": cross_mask, "decoder_input_ids": decoder_input_ids,
+                     "decoder_attention_mask": decoder_mask}
+        expected, actual = hf(**arguments).logits, model(**arguments).logits
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+        # the 4-D decoder mask is the whole mask: one that hides nothing takes causality away, as in T5
+        unmasked = dict(arguments, decoder_attention_mask=torch.ones_like(decoder_mask))
+        torch.testing.assert_close(model(**unmasked).logits, hf(**unmasked).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_custom_4d_mask_decodes_step_by_step_as_t5():
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, _ = padded_batch()
+    _, decoder_mask = custom_masks(*input_ids.shape)
+    decoder_input_ids = torch.tensor([[0, 5, 9, 17]] * len(input_ids))
+    with torch.no_grad():
+        results = []
+        for owner in (hf, model):
+            first = owner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, :3],
+                          decoder_attention_mask=decoder_mask[:, :, :3, :3], use_cache=True)
+            step = owner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, 3:],
+                         decoder_attention_mask=decoder_mask[:, :, 3:], cache=first.cache, use_cache=True)
+            results.append(torch.cat([first.logits, step.logits], dim=1))
+            full = owner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                         decoder_attention_mask=decoder_mask).logits
+            torch.testing.assert_close(results[-1], full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_custom_4d_masks_that_do_not_fit_are_refused_by_name():
+    model = fat5_from_hf(make_hf("t5v1.1"), "t5v1.1")
+    input_ids, _, labels = padded_batch()
+    batch_size, length = input_ids.shape
+    encoder_mask, _ = custom_masks(batch_size, length)
+    with pytest.raises(ValueError, match=r"\(batch, length\) or a custom \(batch, 1, query_length, key_length\)"):
+        model(input_ids=input_ids, attention_mask=encoder_mask.expand(-1, 4, -1, -1), labels=labels)
+    with pytest.raises(ValueError, match="covers 10 positions but there are 11 tokens"):
+        model(input_ids=input_ids, attention_mask=encoder_mask[..., :10], labels=labels)
+    with pytest.raises(ValueError, match="bool .* or float"):
+        model(input_ids=input_ids, attention_mask=encoder_mask.long(), labels=labels)
+    with pytest.raises(ValueError, match=r"\(batch, 1, query_length or 1, key_length\) = \(batch, 1, 11, 11\)"):
+        model.get_encoder()(input_ids=input_ids, attention_mask=encoder_mask[:, :, :5])
+    # T5 fails here deep in its attention; FAT5 says that the encoder's mask meets the decoder's queries
+    with pytest.raises(ValueError, match="also masks the decoder's cross-attention"):
+        model(input_ids=input_ids, attention_mask=encoder_mask, labels=labels)
+
+
+# 6. output_attentions: the materialising attention for that call, T5's (eager) probabilities
+
+
+@pytest.fixture(scope="module")
+def eager_pair():
+    hf = make_hf("t5v1.1")
+    model = fat5_from_hf(hf, "t5v1.1")
+    hf.set_attn_implementation("eager")  # T5's sdpa returns no probabilities (it warns and gives empty tuples)
+    return hf, model
+
+
+ATTENTIONS = ("encoder_attentions", "decoder_attentions", "cross_attentions")
+
+
+def test_attention_probabilities_are_t5s(eager_pair):
+    hf, model = eager_pair
+    input_ids, attention_mask, labels = padded_batch()
+    arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    with torch.no_grad():
+        expected = hf(**arguments, output_attentions=True)
+        actual = model(**arguments, output_attentions=True)
+        plain = model(**arguments)
+    assert list(actual.keys()) == list(expected.keys())
+    for name in ATTENTIONS:
+        assert len(actual[name]) == len(expected[name]) == TINY["num_layers"]
+        for got, want in zip(actual[name], expected[name], strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(actual.logits, plain.logits, rtol=1e-5, atol=1e-6)  # the kernels' numerics
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    assert all(got.sum(-1).sub(1).abs().max() < 1e-5 for got in actual.encoder_attentions)
+    with torch.no_grad():
+        tuple_output = model(**arguments, output_attentions=True, return_dict=False)
+    assert len(tuple_output) == len(expected.to_tuple())
+    # an explicit False wins over the config, as in T5
+    model.config.output_attentions = True
+    try:
+        with torch.no_grad():
+            assert len(model(**arguments).encoder_attentions) == TINY["num_layers"]
+            assert model(**arguments, output_attentions=False).encoder_attentions is None
+    finally:
+        model.config.output_attentions = False
+
+
+def test_attention_probabilities_of_the_encoder_and_of_generate_are_t5s(eager_pair):
+    hf, model = eager_pair
+    input_ids, attention_mask, _ = padded_batch()
+    with torch.no_grad():
+        expected = hf.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        actual = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        for got, want in zip(actual.attentions, expected.attentions, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        generate = {"input_ids": input_ids, "attention_mask": attention_mask, "max_new_tokens": 3, "do_sample": False,
+                    "output_attentions": True, "return_dict_in_generate": True}
+        expected, actual = hf.generate(**generate), model.generate(**generate)
+    assert torch.equal(actual.sequences, expected.sequences)
+    for name in ATTENTIONS:
+        flat = [list(step) if isinstance(step, tuple) else [step] for step in getattr(expected, name)]
+        got = [list(step) if isinstance(step, tuple) else [step] for step in getattr(actual, name)]
+        assert len(got) == len(flat), name
+        for got_step, want_step in zip(got, flat, strict=True):
+            for a, b in zip(got_step, want_step, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_probabilities_of_packed_rows_are_refused_by_name():
+    model = fat5_from_hf(make_hf("t5v1.1"), "t5v1.1")
+    segment_ids = torch.tensor([[1, 1, 2, 2, 0]])
+    with pytest.raises(ValueError, match="output_attentions=True needs padded rows"):
+        model.get_encoder()(input_ids=torch.tensor([[5, 6, 7, 8, 0]]), segment_ids=segment_ids,
+                            output_attentions=True)
+
+
 # 7. fp16: the feed-forward's output projection stays fp32, as in T5
 
 
@@ -377,3 +534,54 @@ def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_
     assert any(entry.get("train_loss", 0) > 0 for entry in result["log_history"])
     written = yaml.safe_load((tmp_path / "run" / "finetune_config.yaml").read_text())
     assert "16 rows" in written["data"]["train_file"]
+
+
+# 13. torch.compile: FAT5 adds no warning to the ones T5 gets, and FAT5's code never calls torch.jit
+
+COMPILE_AND_RECORD = r"""
+import json, sys, warnings
+import torch
+
+which, out_file = sys.argv[1:3]
+torch.set_num_threads(1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from test_modeling import fat5_from_hf, make_hf, padded_batch
+
+    hf = make_hf("t5v1.1")
+    model = hf if which == "t5" else fat5_from_hf(hf, "t5v1.1")
+    input_ids, attention_mask, labels = padded_batch()
+    with torch.no_grad():
+        torch.compile(model)(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+with open(out_file, "w") as handle:
+    json.dump([[w.category.__name__, w.filename, w.lineno, str(w.message)] for w in caught], handle)
+"""
+
+
+@pytest.mark.slow
+def test_compiling_fat5_warns_no_more_than_compiling_t5(tmp_path):
+    """torch's own modules warn when torch.compile loads them (the 14 `torch.jit.script_method` deprecations come from
+    torch/utils/mkldnn.py, which inductor imports): T5 gets them as well. Each model compiles in a fresh process, so
+    that both meet every warning that fires once per process."""
+    import collections
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]), TRANSFORMERS_VERBOSITY="error")
+    recorded = {}
+    for which in ("t5", "fat5"):
+        completed = subprocess.run([sys.executable, "-c", COMPILE_AND_RECORD, which, str(tmp_path / which)], env=env,
+                                   cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        recorded[which] = collections.Counter(map(tuple, json.loads((tmp_path / which).read_text())))
+    added = recorded["fat5"] - recorded["t5"]
+    assert not added, added
+    fat5_folder = tests.parent / "fat5"
+    assert not [warning for warning in recorded["fat5"] if warning[1].startswith(str(fat5_folder))]
+    uses = [f"{path}:{number}" for path in fat5_folder.rglob("*.py")
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "torch.jit" in line]
+    assert not uses, uses

@@ -2,11 +2,11 @@
 
 transformers loads remote code from files beside `config.json` and follows only relative imports written
 `from .name import ...` (it finds them with a regular expression, then copies `name.py` next to the module); it
-has no sub-packages. So the package's remote-code files (`configuration_fat5.py`, `modeling_fat5.py` and
-`kernels/*.py`) become sibling files, their relative imports are rewritten to name the sibling, and every import
-of a sibling is made visible to that regular expression. A bundle is checked before it is kept: no file imports
-`fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh Python process in which
-neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
+has no sub-packages. So the package's remote-code files (`configuration_fat5.py`, `modeling_fat5.py`,
+`token_layout.py` and `kernels/*.py`) become sibling files, their relative imports are rewritten to name the
+sibling, and every import of a sibling is made visible to that regular expression. A bundle is checked before it
+is kept: no file imports `fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh
+Python process in which neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
 """
 
 import ast
@@ -26,7 +26,7 @@ import torch
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
-REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py")
+REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "token_layout.py")
 KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:

@@ -4,7 +4,8 @@
 tensors with ``cu_seqlens`` (as flash-attention's ``flash_attn_varlen_func``). Instead of a bias tensor they take a
 ``PositionBias`` that describes it: T5's bucket table, ALiBi's slopes, an explicit additive tensor (FIRE's) or none.
 The reference below materialises the scores in fp32; it is the CPU path and the truth the Triton kernels are tested
-against.
+against. ``attention_with_probabilities`` is that reference alone, for what the kernels cannot give: it returns the
+probabilities too and takes transformers' custom 4-D masks.
 
 Semantics shared by every backend: query row ``i`` sits at position ``query_offset + i`` and key ``j`` at ``j``
 (positions restart at 0 in every varlen segment); ``causal`` hides keys after the query; ``key_padding_mask`` is
@@ -39,26 +40,37 @@ def _check_inputs(query, key, value, query_offset, position_bias, dropout_p):
             raise ValueError(f"query_offset is on {query_offset.device} but the query on {query.device}")
 
 
-def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offset, position_bias, dropout_p):
+def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offset, position_bias, dropout_p,
+               attention_mask=None):
+    """The attention output in the query's dtype and the probabilities (fp32), from materialised fp32 scores."""
     query_length, key_length = query.shape[-2], key.shape[-2]
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
     bias = position_bias.materialise(query_length, key_length, query_offset)
     if bias is not None:
         scores = scores + bias.float()
 
-    visible = torch.ones(query_length, key_length, dtype=torch.bool, device=query.device)
-    if causal:
-        query_position = torch.arange(query_length, device=query.device)[:, None] + query_offset
-        visible = torch.arange(key_length, device=query.device)[None, :] <= query_position
-    visible = visible.expand(*scores.shape[:-2], query_length, key_length)
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask.bool()[:, None, None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
+    if attention_mask is not None:
+        # transformers' custom masks: False (bool) or a large negative (float) hides a key; a row that hides every
+        # key spreads evenly over them, as in transformers' T5, instead of giving zeros
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+        else:
+            scores = scores + attention_mask.float()
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        visible = torch.ones(query_length, key_length, dtype=torch.bool, device=query.device)
+        if causal:
+            query_position = torch.arange(query_length, device=query.device)[:, None] + query_offset
+            visible = torch.arange(key_length, device=query.device)[None, :] <= query_position
+        visible = visible.expand(*scores.shape[:-2], query_length, key_length)
+        if key_padding_mask is not None:
+            visible = visible & key_padding_mask.bool()[:, None, None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.where(visible.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, value.float()).to(query.dtype)
+    return torch.matmul(probs, value.float()).to(query.dtype), probs
 
 
 def attention(
@@ -103,7 +115,50 @@ def attention(
         from .attention_triton import flash_attention
 
         return flash_attention(query, key, value, **arguments)
-    return _reference(query, key, value, **arguments)
+    return _reference(query, key, value, **arguments)[0]
+
+
+def attention_with_probabilities(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
+    scale: float = 1.0,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    query_offset: int | torch.Tensor = 0,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference attention over (batch, heads, length, head_dim) tensors, returning the output and the
+    attention probabilities, (batch, heads, query_length, key_length) in the query's dtype: the path for what the
+    fused kernels cannot do, transformers' ``output_attentions=True`` and its custom 4-D masks.
+
+    Args:
+        attention_mask: a custom mask broadcastable to (batch, heads, query_length, key_length), transformers' 4-D
+            ``(batch, 1, query_length, key_length)``: bool (True where the key may be attended) or float, added to
+            the scores (0 or a large negative). It is the whole mask, as in transformers: neither ``causal`` nor
+            ``key_padding_mask`` may come with it.
+        Others as in :func:`attention`; with them, the output is the one :func:`attention` gives.
+    """
+    if query.dim() != 4:
+        raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
+    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
+    if attention_mask is not None:
+        if causal or key_padding_mask is not None:
+            raise ValueError("a custom attention_mask is the whole mask: give it without causal or key_padding_mask")
+        if attention_mask.dim() != 4 or not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+            raise ValueError(
+                "attention_mask must be a 4-D bool or float tensor, (batch, 1, query_length, key_length), got "
+                f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+    output, probs = _reference(
+        query, key, value, position_bias=position_bias, scale=scale, causal=causal,
+        key_padding_mask=key_padding_mask, attention_mask=attention_mask, query_offset=query_offset,
+        dropout_p=dropout_p,
+    )
+    return output, probs.to(query.dtype)
 
 
 def attention_varlen(
@@ -167,5 +222,5 @@ def _varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     bias = arguments["position_bias"]
     if bias.kind == "bias":
         arguments = dict(arguments, position_bias=PositionBias.explicit(bias.tensor[..., :max_seqlen_q, :max_seqlen_k]))
-    output = _reference(q, k, v, key_padding_mask=key_padding_mask, **arguments)
+    output, _ = _reference(q, k, v, key_padding_mask=key_padding_mask, **arguments)
     return output.transpose(1, 2)[segment, position]
