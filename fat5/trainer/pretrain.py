@@ -14,7 +14,9 @@ content (never a folder that holds the input or the current directory).
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -219,15 +221,31 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     content) is set.
     """
     from accelerate import PartialState
-    from transformers import AutoModelForSeq2SeqLM, set_seed
-
-    from .collator import UL2DataCollator
-    from .data import tokenize_dataset
-    from .packing import PackedStreamDataset, UL2PackedBatchSampler
-    from .trainer import FAT5Trainer, FAT5TrainingArguments, find_resume_checkpoint, require_full_state_dict
+    from transformers import set_seed
 
     settings = load_config(config)
     state = PartialState()
+    output_dir = _prepare_output_folder(settings, config, output_dir, overwrite=overwrite, resume=resume, state=state)
+    checkpoint = _resume_checkpoint(output_dir, resume, state)
+    set_seed(_seed(settings))
+    train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state)
+    model = build_model(settings["model"], tokenizer, _saved_vocab_size(checkpoint))
+    collator = _ul2_collator(settings, tokenizer)
+    batches = _packed_batches(settings, train_texts, eval_texts, tokenizer, collator)
+    trainer = _build_trainer(settings, output_dir, model, tokenizer, collator, batches)
+    return _train_evaluate_save(trainer, tokenizer, checkpoint, output_dir)
+
+
+def _seed(settings: dict) -> int:
+    return int(settings.get("seed", 0))
+
+
+def _text_column(data: dict) -> str:
+    return "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
+
+
+def _prepare_output_folder(settings: dict, config, output_dir, overwrite: bool, resume: bool, state) -> Path:
+    """Refuse, resume or empty the output folder as asked; never touching what the job reads."""
     inputs = [settings["tokenizer"].get("path"), settings["data"].get("path")]
     if isinstance(settings.get("ul2"), (str, os.PathLike)):
         inputs.append(settings["ul2"])
@@ -237,35 +255,74 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
                                     inputs=[path for path in inputs if path and Path(path).exists()],
                                     main_process=state.is_main_process)
     state.wait_for_everyone()
+    return output_dir
+
+
+def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
+    """With ``resume``, the newest complete checkpoint to continue from; the output folder exists afterwards."""
+    from .trainer import find_resume_checkpoint
+
     checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
-    seed, data = int(settings.get("seed", 0)), settings["data"]
-    set_seed(seed)
-    text_column = "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
+    return checkpoint
 
-    # under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
-    # cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a
-    # tokenizer trained on each rank could differ, and would then give the same ids different meanings
+
+def _corpus_and_tokenizer(settings: dict, output_dir: Path, checkpoint: Path | None, state):
+    """(train texts, eval texts or None, tokenizer).
+
+    Under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
+    cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a tokenizer
+    trained on each rank could differ, and would then give the same ids different meanings.
+    """
     with state.main_process_first():
-        train_texts, eval_texts = load_corpus(data, seed)
+        train_texts, eval_texts = load_corpus(settings["data"], _seed(settings))
         saved = checkpoint or (None if state.is_main_process else output_dir / "tokenizer")
-        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir, saved)
-    # a run started by an older release may have its embeddings at the tokenizer's own length
-    saved_vocab_size = None
+        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, _text_column(settings["data"]), output_dir, saved)
+    return train_texts, eval_texts, tokenizer
+
+
+def _saved_vocab_size(checkpoint: Path | None) -> int | None:
+    """The resumed checkpoint's vocab_size: a run started by an older release may have its embeddings at the
+    tokenizer's own length."""
     if checkpoint and (checkpoint / "config.json").is_file():
-        saved_vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    model = build_model(settings["model"], tokenizer, saved_vocab_size)
-    collator = UL2DataCollator(
+        return json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    return None
+
+
+def _ul2_collator(settings: dict, tokenizer):
+    from .collator import UL2DataCollator
+
+    data = settings["data"]
+    return UL2DataCollator(
         tokenizer,
         mixture=settings.get("ul2"),
         max_input_length=data["max_input_length"],
         max_target_length=data.get("max_target_length"),
         packed=True,
-        seed=seed,
+        seed=_seed(settings),
     )
-    tokenize = {"text_column": text_column, "num_proc": data.get("num_proc")}
+
+
+@dataclass
+class PackedBatches:
+    """The tokenized training and evaluation data, and the samplers that pack them into UL2 batches (None for a
+    streamed training set, which packs itself, and where there is no evaluation data)."""
+
+    train: Any
+    train_sampler: Any
+    evaluation: Any
+    eval_sampler: Any
+
+
+def _packed_batches(settings: dict, train_texts, eval_texts, tokenizer, collator) -> PackedBatches:
+    from .data import tokenize_dataset
+    from .packing import PackedStreamDataset, UL2PackedBatchSampler
+
+    data = settings["data"]
+    tokenize = {"text_column": _text_column(data), "num_proc": data.get("num_proc")}
     train = tokenize_dataset(train_texts, tokenizer, **tokenize)
-    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": seed, "shape_buckets": data.get("shape_buckets")}
+    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": _seed(settings),
+                "shape_buckets": data.get("shape_buckets")}
     train_sampler = None
     if data.get("streaming"):
         train = PackedStreamDataset(train, collator, **batching)
@@ -285,37 +342,49 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     if eval_texts is not None:
         evaluation = tokenize_dataset(eval_texts, tokenizer, **tokenize)
         eval_sampler = UL2PackedBatchSampler(evaluation["length"], collator.objective, shuffle=False, **batching)
+    return PackedBatches(train, train_sampler, evaluation, eval_sampler)
+
+
+def _build_trainer(settings: dict, output_dir: Path, model, tokenizer, collator, batches: PackedBatches):
+    from .trainer import FAT5Trainer, FAT5TrainingArguments
 
     try:
         arguments = FAT5TrainingArguments(
             output_dir=str(output_dir),
-            seed=seed,
+            seed=_seed(settings),
             remove_unused_columns=False,
             **{key: value for key, value in settings["training"].items() if key != "output_dir"},
         )
     except (TypeError, ValueError) as error:
         raise FAT5Error(f"invalid training section: {error}") from None
-    if evaluation is None and arguments.eval_strategy != "no":
+    if batches.evaluation is None and arguments.eval_strategy != "no":
         arguments.eval_strategy = "no"
-    trainer = FAT5Trainer(
+    return FAT5Trainer(
         model=model,
         args=arguments,
-        train_dataset=train,
-        eval_dataset=evaluation,
+        train_dataset=batches.train,
+        eval_dataset=batches.evaluation,
         data_collator=collator,
         processing_class=tokenizer,
-        train_batch_sampler=train_sampler,
-        eval_batch_sampler=eval_sampler,
+        train_batch_sampler=batches.train_sampler,
+        eval_batch_sampler=batches.eval_sampler,
     )
+
+
+def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir: Path) -> dict:
+    """Train (from ``checkpoint`` when resuming), evaluate, save the model and tokenizer to ``output_dir`` itself
+    and write ``pretrain_summary.json``; returns the summary."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from .trainer import require_full_state_dict
+
     require_full_state_dict(trainer)
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    metrics = trainer.evaluate() if evaluation is not None else {}
-
-    final = output_dir
-    _save_verified(trainer, tokenizer, final)
+    metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
+    _save_verified(trainer, tokenizer, output_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {
-        "output": str(final),
+        "output": str(output_dir),
         "steps": trainer.state.global_step,
         "first_logged_loss": losses[0] if losses else None,
         "last_logged_loss": losses[-1] if losses else None,
@@ -327,7 +396,7 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
         with open(output_dir / "pretrain_summary.json", "w") as handle:
             json.dump(summary, handle, indent=2)
         # a last check that what was written is what users will load
-        AutoModelForSeq2SeqLM.from_pretrained(final)
+        AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     # no process returns before the model and summary are in place
     trainer.accelerator.wait_for_everyone()
     return summary
