@@ -3,7 +3,7 @@ check, so that the keys, the reference `fat5 finetune --help` prints (`config_re
 values come from one place.
 
 A configuration is a YAML file (or a dict) with the keys of `FinetuneConfig`; its ``data`` section holds those of
-`DataConfig`, its ``lora`` section those of `LoraConfig`. Relative paths are taken from the current directory.
+`DataSection`, its ``lora`` section those of `LoraSection`. Relative paths are taken from the current directory.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ _POSITIVE_OR_NULL = _number(integer=True, minimum=1, optional=True)
 
 
 @dataclass
-class DataConfig:
+class DataSection:
     """The ``data`` section: where the examples are, which columns hold them and how they are cut."""
 
     dataset_name: str | None = field(
@@ -173,7 +173,7 @@ class DataConfig:
         default=None, metadata=_about("processes that tokenize", _POSITIVE_OR_NULL)
     )
 
-    def complete(self, task: str) -> DataConfig:
+    def complete(self, task: str) -> DataSection:
         """Fill the task's default columns and check that the data comes from exactly one kind of source."""
         default_text, default_target = DEFAULT_COLUMNS[task]
         self.text_column = self.text_column or default_text
@@ -186,7 +186,7 @@ class DataConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraSection:
     """The ``lora`` section (absent or null: full finetuning): PEFT's LoRA adapters and how they are saved."""
 
     r: int = field(default=16, metadata=_about("the adapters' rank", _POSITIVE))
@@ -257,8 +257,8 @@ class FinetuneConfig:
             _required("`output_dir` is missing (or pass output_dir / --output-dir)"),
         ),
     )
-    data: DataConfig = field(default_factory=DataConfig, metadata=_about("where the examples are"))
-    lora: LoraConfig | None = field(default=None, metadata=_about("absent or null: full finetuning"))
+    data: DataSection = field(default_factory=DataSection, metadata=_about("where the examples are"))
+    lora: LoraSection | None = field(default=None, metadata=_about("absent or null: full finetuning"))
     training: dict = field(
         default_factory=dict,
         metadata=_about(
@@ -278,10 +278,10 @@ class FinetuneConfig:
     def from_mapping(cls, raw: dict) -> FinetuneConfig:
         """Check every key of ``raw`` (the YAML's mapping) and fill in the defaults; mistakes raise FAT5Error."""
         config = _checked(cls, raw, "finetune config", "finetune config: ")
-        config.data = _checked(DataConfig, _section(raw, "data"), "finetune config: data", "data.")
+        config.data = _checked(DataSection, _section(raw, "data"), "finetune config: data", "data.")
         config.data.complete(config.task)
         if raw.get("lora") is not None:
-            config.lora = _checked(LoraConfig, _section(raw, "lora"), "finetune config: lora", "lora.")
+            config.lora = _checked(LoraSection, _section(raw, "lora"), "finetune config: lora", "lora.")
             if config.bundle and not config.lora.merge:
                 raise FAT5Error("bundle: true needs a full model: with LoRA, keep lora.merge: true")
         return config
@@ -294,7 +294,7 @@ class FinetuneConfig:
         return as_dict
 
 
-SECTIONS = {"data": DataConfig, "lora": LoraConfig}
+SECTIONS = {"data": DataSection, "lora": LoraSection}
 
 
 def _shallow_dict(instance) -> dict:
