@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.trainer.finetune import finetune, make_tiny_model
+from fat5.testing import make_tiny_model
+from fat5.trainer.finetune import finetune
 
 SHIPPED_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "shakespeare_speeches.jsonl"
 COLUMNS = {"sequence_classification": ("document", "genre"), "token_classification": ("words", "tags")}

@@ -27,7 +27,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSe
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
 from fat5.hub_upload import bundle
-from fat5.trainer.finetune import make_tiny_model
+from fat5.testing import make_tiny_model
 from fat5.trainer.metrics import rouge_metric
 from fat5.trainer.trainer import FAT5Trainer
 

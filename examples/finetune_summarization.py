@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.trainer.finetune import finetune, make_tiny_model
+from fat5.testing import make_tiny_model
+from fat5.trainer.finetune import finetune
 
 SHIPPED_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "shakespeare_speeches.jsonl"
 

@@ -29,8 +29,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    """A tiny FAT5 and its tokenizer, trained on the speeches (``fat5.trainer.finetune.make_tiny_model``)."""
-    from fat5.trainer.finetune import make_tiny_model
+    """A tiny FAT5 and its tokenizer, trained on the speeches (``fat5.testing.make_tiny_model``)."""
+    from fat5.testing import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", [row["document"] for row in ROWS])
 

@@ -59,7 +59,7 @@ def test_every_dtype_spelling_is_taken_by_every_dtype_option(spelling, name, tmp
     """The README's `--dtype bf16` works: the short and the torch names alike, in `fat5 convert` / `export-hf`
     flags and in a finetuning config's `dtype` field."""
     from fat5.cli import build_parser
-    from fat5.trainer.finetune import load_finetune_config
+    from fat5.trainer.finetune_config import load_finetune_config
 
     parser = build_parser()
     assert parser.parse_args(["convert", "src", "out", "--dtype", spelling]).dtype == name
@@ -109,14 +109,14 @@ def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
 
 def test_bench_writes_a_new_result_file_unless_told_where(monkeypatch, tmp_path):
     """`fat5 bench NAME` used to overwrite the tracked benchmarks/results/NAME.json."""
-    import fat5.cli
+    import fat5.commands.bench
 
     commands = []
-    monkeypatch.setattr(fat5.cli.subprocess, "run", lambda command, **_: commands.append(command) or
+    monkeypatch.setattr(fat5.commands.bench.subprocess, "run", lambda command, **_: commands.append(command) or
                         subprocess.CompletedProcess(command, 0))
     assert main(["bench", "collator", "--seconds", "1"]) == 0
     out = Path(commands[-1][commands[-1].index("--out") + 1])
-    assert out.parent == fat5.cli.BENCHMARKS.parent / "runs" / "bench"
+    assert out.parent == fat5.commands.bench.BENCHMARKS.parent / "runs" / "bench"
     assert out.name.startswith("collator-") and out.suffix == ".json"
     assert "benchmarks/results" not in " ".join(commands[-1])
     assert main(["bench", "collator", "--out", str(tmp_path / "mine.json")]) == 0

@@ -15,7 +15,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
-from fat5.conversion import ConversionError, add_convert_commands, convert, export_hf
+from fat5.commands.convert import add_convert_commands
+from fat5.conversion import ConversionError, convert, export_hf
 from fat5.errors import FAT5Error
 
 TINY = {

@@ -22,17 +22,11 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 import fat5
 from fat5 import FAT5Error
-from fat5.trainer.finetune import (
-    add_finetune_command,
-    apply_lora,
-    check_lora_targets,
-    default_lora_targets,
-    finetune,
-    load_finetune_config,
-    make_tiny_model,
-    prepare_finetune,
-    run_finetune,
-)
+from fat5.commands.finetune import add_finetune_command
+from fat5.testing import make_tiny_model
+from fat5.trainer.finetune import finetune, prepare_finetune, run_finetune
+from fat5.trainer.finetune_config import load_finetune_config
+from fat5.trainer.finetune_model import apply_lora, check_lora_targets, default_lora_targets
 from fat5.trainer.metrics import (
     classification_scores,
     rouge,

@@ -18,9 +18,10 @@ from test_conversion import TINY, make_checkpoint, padded_batch
 
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
+from fat5.commands.hub import add_hub_commands
 from fat5.conversion import convert
 from fat5.errors import FAT5Error
-from fat5.hub_upload import BundleError, add_hub_commands, bundle, flatten_remote_code
+from fat5.hub_upload import BundleError, bundle, flatten_remote_code
 
 bundle_module = sys.modules["fat5.hub_upload.bundle"]
 

@@ -16,8 +16,9 @@ from urllib.parse import urlsplit
 import pytest
 from test_conversion import make_checkpoint
 
+from fat5.commands.hub import add_hub_commands
 from fat5.conversion import convert
-from fat5.hub_upload import PushError, add_hub_commands, bundle, push
+from fat5.hub_upload import PushError, bundle, push
 
 push_module = sys.modules["fat5.hub_upload.push"]
 

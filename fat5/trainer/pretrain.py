@@ -11,13 +11,12 @@ checkpoints is refused: ``--resume`` continues from its newest complete checkpoi
 content (never a folder that holds the input or the current directory).
 """
 
-import argparse
 import json
 import os
 import shutil
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -222,15 +221,31 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     content) is set.
     """
     from accelerate import PartialState
-    from transformers import AutoModelForSeq2SeqLM, set_seed
-
-    from .collator import UL2DataCollator
-    from .data import tokenize_dataset
-    from .packing import PackedStreamDataset, UL2PackedBatchSampler
-    from .trainer import FAT5Trainer, FAT5TrainingArguments, find_resume_checkpoint, require_full_state_dict
+    from transformers import set_seed
 
     settings = load_config(config)
     state = PartialState()
+    output_dir = _prepare_output_folder(settings, config, output_dir, overwrite=overwrite, resume=resume, state=state)
+    checkpoint = _resume_checkpoint(output_dir, resume, state)
+    set_seed(_seed(settings))
+    train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state)
+    model = build_model(settings["model"], tokenizer, _saved_vocab_size(checkpoint))
+    collator = _ul2_collator(settings, tokenizer)
+    batches = _packed_batches(settings, train_texts, eval_texts, tokenizer, collator)
+    trainer = _build_trainer(settings, output_dir, model, tokenizer, collator, batches)
+    return _train_evaluate_save(trainer, tokenizer, checkpoint, output_dir)
+
+
+def _seed(settings: dict) -> int:
+    return int(settings.get("seed", 0))
+
+
+def _text_column(data: dict) -> str:
+    return "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
+
+
+def _prepare_output_folder(settings: dict, config, output_dir, overwrite: bool, resume: bool, state) -> Path:
+    """Refuse, resume or empty the output folder as asked; never touching what the job reads."""
     inputs = [settings["tokenizer"].get("path"), settings["data"].get("path")]
     if isinstance(settings.get("ul2"), (str, os.PathLike)):
         inputs.append(settings["ul2"])
@@ -240,35 +255,74 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
                                     inputs=[path for path in inputs if path and Path(path).exists()],
                                     main_process=state.is_main_process)
     state.wait_for_everyone()
+    return output_dir
+
+
+def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
+    """With ``resume``, the newest complete checkpoint to continue from; the output folder exists afterwards."""
+    from .trainer import find_resume_checkpoint
+
     checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
-    seed, data = int(settings.get("seed", 0)), settings["data"]
-    set_seed(seed)
-    text_column = "text" if data.get("corpus") == "shakespeare" else data.get("text_column", "text")
+    return checkpoint
 
-    # under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
-    # cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a
-    # tokenizer trained on each rank could differ, and would then give the same ids different meanings
+
+def _corpus_and_tokenizer(settings: dict, output_dir: Path, checkpoint: Path | None, state):
+    """(train texts, eval texts or None, tokenizer).
+
+    Under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
+    cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a tokenizer
+    trained on each rank could differ, and would then give the same ids different meanings.
+    """
     with state.main_process_first():
-        train_texts, eval_texts = load_corpus(data, seed)
+        train_texts, eval_texts = load_corpus(settings["data"], _seed(settings))
         saved = checkpoint or (None if state.is_main_process else output_dir / "tokenizer")
-        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, text_column, output_dir, saved)
-    # a run started by an older release may have its embeddings at the tokenizer's own length
-    saved_vocab_size = None
+        tokenizer = get_tokenizer(settings["tokenizer"], train_texts, _text_column(settings["data"]), output_dir, saved)
+    return train_texts, eval_texts, tokenizer
+
+
+def _saved_vocab_size(checkpoint: Path | None) -> int | None:
+    """The resumed checkpoint's vocab_size: a run started by an older release may have its embeddings at the
+    tokenizer's own length."""
     if checkpoint and (checkpoint / "config.json").is_file():
-        saved_vocab_size = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    model = build_model(settings["model"], tokenizer, saved_vocab_size)
-    collator = UL2DataCollator(
+        return json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    return None
+
+
+def _ul2_collator(settings: dict, tokenizer):
+    from .collator import UL2DataCollator
+
+    data = settings["data"]
+    return UL2DataCollator(
         tokenizer,
         mixture=settings.get("ul2"),
         max_input_length=data["max_input_length"],
         max_target_length=data.get("max_target_length"),
         packed=True,
-        seed=seed,
+        seed=_seed(settings),
     )
-    tokenize = {"text_column": text_column, "num_proc": data.get("num_proc")}
+
+
+@dataclass
+class PackedBatches:
+    """The tokenized training and evaluation data, and the samplers that pack them into UL2 batches (None for a
+    streamed training set, which packs itself, and where there is no evaluation data)."""
+
+    train: Any
+    train_sampler: Any
+    evaluation: Any
+    eval_sampler: Any
+
+
+def _packed_batches(settings: dict, train_texts, eval_texts, tokenizer, collator) -> PackedBatches:
+    from .data import tokenize_dataset
+    from .packing import PackedStreamDataset, UL2PackedBatchSampler
+
+    data = settings["data"]
+    tokenize = {"text_column": _text_column(data), "num_proc": data.get("num_proc")}
     train = tokenize_dataset(train_texts, tokenizer, **tokenize)
-    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": seed, "shape_buckets": data.get("shape_buckets")}
+    batching = {"tokens_per_batch": data["tokens_per_batch"], "seed": _seed(settings),
+                "shape_buckets": data.get("shape_buckets")}
     train_sampler = None
     if data.get("streaming"):
         train = PackedStreamDataset(train, collator, **batching)
@@ -288,37 +342,49 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     if eval_texts is not None:
         evaluation = tokenize_dataset(eval_texts, tokenizer, **tokenize)
         eval_sampler = UL2PackedBatchSampler(evaluation["length"], collator.objective, shuffle=False, **batching)
+    return PackedBatches(train, train_sampler, evaluation, eval_sampler)
+
+
+def _build_trainer(settings: dict, output_dir: Path, model, tokenizer, collator, batches: PackedBatches):
+    from .trainer import FAT5Trainer, FAT5TrainingArguments
 
     try:
         arguments = FAT5TrainingArguments(
             output_dir=str(output_dir),
-            seed=seed,
+            seed=_seed(settings),
             remove_unused_columns=False,
             **{key: value for key, value in settings["training"].items() if key != "output_dir"},
         )
     except (TypeError, ValueError) as error:
         raise FAT5Error(f"invalid training section: {error}") from None
-    if evaluation is None and arguments.eval_strategy != "no":
+    if batches.evaluation is None and arguments.eval_strategy != "no":
         arguments.eval_strategy = "no"
-    trainer = FAT5Trainer(
+    return FAT5Trainer(
         model=model,
         args=arguments,
-        train_dataset=train,
-        eval_dataset=evaluation,
+        train_dataset=batches.train,
+        eval_dataset=batches.evaluation,
         data_collator=collator,
         processing_class=tokenizer,
-        train_batch_sampler=train_sampler,
-        eval_batch_sampler=eval_sampler,
+        train_batch_sampler=batches.train_sampler,
+        eval_batch_sampler=batches.eval_sampler,
     )
+
+
+def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir: Path) -> dict:
+    """Train (from ``checkpoint`` when resuming), evaluate, save the model and tokenizer to ``output_dir`` itself
+    and write ``pretrain_summary.json``; returns the summary."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from .trainer import require_full_state_dict
+
     require_full_state_dict(trainer)
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    metrics = trainer.evaluate() if evaluation is not None else {}
-
-    final = output_dir
-    _save_verified(trainer, tokenizer, final)
+    metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
+    _save_verified(trainer, tokenizer, output_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {
-        "output": str(final),
+        "output": str(output_dir),
         "steps": trainer.state.global_step,
         "first_logged_loss": losses[0] if losses else None,
         "last_logged_loss": losses[-1] if losses else None,
@@ -330,7 +396,7 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
         with open(output_dir / "pretrain_summary.json", "w") as handle:
             json.dump(summary, handle, indent=2)
         # a last check that what was written is what users will load
-        AutoModelForSeq2SeqLM.from_pretrained(final)
+        AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     # no process returns before the model and summary are in place
     trainer.accelerator.wait_for_everyone()
     return summary
@@ -366,65 +432,3 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
         raise disk_full_error(final, "the final model was not written" + (
             f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else "")) from None
     trainer.accelerator.wait_for_everyone()
-
-
-def add_pretrain_command(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "pretrain",
-        help="UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
-                        f"({DEFAULT_CONFIG.relative_to(CONFIG_DIR.parent.parent.parent)})")
-    parser.add_argument("--output-dir", default="outputs/fat5-pretrain",
-                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
-                        "checkpoints in DIR/checkpoint-N (default %(default)s)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in --output-dir")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the content of --output-dir (never a folder that holds the input)")
-    parser.set_defaults(func=_run_pretrain)
-
-
-def _run_pretrain(args: argparse.Namespace) -> int:
-    from .trainer import resume_hint
-
-    start = time.perf_counter()
-    try:
-        summary = pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
-    except KeyboardInterrupt:
-        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
-        print(f"fat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
-        raise
-    except OSError as error:
-        # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
-        if not is_disk_full(error, args.output_dir):
-            raise
-        raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
-    from accelerate import PartialState
-
-    # under `accelerate launch` every process returns here: one of them reports (and draws the curve, which the
-    # others would rename from under it)
-    if PartialState().is_main_process:
-        print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
-    return 0
-
-
-def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> None:
-    """What the job did, how fast, and where its results are; draws the loss curve beside the summary file."""
-    from .metrics import plot_loss_curve
-
-    first, last = summary["first_logged_loss"], summary["last_logged_loss"]
-    print(f"trained {summary['steps']} steps in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
-          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
-    speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
-    if speeds:
-        print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")
-    print(f"model and tokenizer saved to {summary['output']}")
-    print(f"summary and log history: {output_dir / 'pretrain_summary.json'}")
-    curve = output_dir / "loss_curve.png"
-    if plot_loss_curve(summary["log_history"], curve):
-        print(f"loss curve: {curve}")
-    else:
-        print("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")

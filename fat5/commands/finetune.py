@@ -1,0 +1,56 @@
+"""`fat5 finetune`: finetune a FAT5 model from a YAML config (`fat5.trainer.finetune`), fully or with LoRA."""
+
+import argparse
+import sys
+
+from ..trainer import finetune as finetune_job
+from ..trainer.finetune_config import config_reference, load_finetune_config
+
+
+def add_finetune_command(subparsers) -> None:
+    """Register ``finetune`` on the `fat5` command's subparsers; it sets ``func(args) -> int``."""
+    parser = subparsers.add_parser(
+        "finetune",
+        help="finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",
+        description="Finetune the FAT5 model that CONFIG names on its dataset with FAT5Trainer, then save it (or its\n"
+        "LoRA adapter and the merged model) under output_dir. Examples: fat5/trainer/configs/finetune_*.yaml.",
+        epilog="CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n" + config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", help="YAML configuration (task, model, data, lora, training, ...)")
+    parser.add_argument("--output-dir", default=None, help="where to write (overrides the config's output_dir): the "
+                        "final model and tokenizer, loadable with from_pretrained(DIR), and the checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in the output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the content of the output folder (never a folder that holds the input)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config entry (dotted key, YAML value), e.g. --set training.max_steps=100; repeatable",
+    )
+    parser.set_defaults(func=_run_finetune)
+
+
+def _run_finetune(args: argparse.Namespace) -> int:
+    from ..trainer.trainer import resume_hint
+
+    try:
+        result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,
+                                       overwrite=args.overwrite, resume=args.resume)
+    except KeyboardInterrupt:
+        output_dir = load_finetune_config(args.config, output_dir=args.output_dir, overrides=args.overrides)["output_dir"]
+        command = " ".join(["fat5 finetune", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
+                            *(f"--set {override}" for override in args.overrides)])
+        print(f"fat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
+        raise
+    for name in ("model_dir", "adapter_dir", "merged_dir", "bundle_dir"):
+        if result[name]:
+            print(f"{name.removesuffix('_dir')}: {result[name]}")
+    if result["eval"]:
+        print("evaluation: " + ", ".join(f"{key} {value:.4g}" for key, value in result["eval"].items()
+                                         if isinstance(value, (int, float))))
+    return 0

@@ -1,0 +1,71 @@
+"""`fat5 pretrain`: UL2 pretraining from a YAML config (`fat5.trainer.pretrain`), with a closing summary."""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..output_folder import disk_full_error, is_disk_full
+from ..trainer import pretrain as pretrain_job
+
+
+def add_pretrain_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pretrain",
+        help="UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
+        description=pretrain_job.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
+                        f"({pretrain_job.DEFAULT_CONFIG.relative_to(pretrain_job.CONFIG_DIR.parent.parent.parent)})")
+    parser.add_argument("--output-dir", default="outputs/fat5-pretrain",
+                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
+                        "checkpoints in DIR/checkpoint-N (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --output-dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the content of --output-dir (never a folder that holds the input)")
+    parser.set_defaults(func=_run_pretrain)
+
+
+def _run_pretrain(args: argparse.Namespace) -> int:
+    from ..trainer.trainer import resume_hint
+
+    start = time.perf_counter()
+    try:
+        summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
+        print(f"fat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
+        raise
+    except OSError as error:
+        # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
+        if not is_disk_full(error, args.output_dir):
+            raise
+        raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
+    from accelerate import PartialState
+
+    # under `accelerate launch` every process returns here: one of them reports (and draws the curve, which the
+    # others would rename from under it)
+    if PartialState().is_main_process:
+        print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
+    return 0
+
+
+def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> None:
+    """What the job did, how fast, and where its results are; draws the loss curve beside the summary file."""
+    from ..trainer.metrics import plot_loss_curve
+
+    first, last = summary["first_logged_loss"], summary["last_logged_loss"]
+    print(f"trained {summary['steps']} steps in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
+          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
+    speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
+    if speeds:
+        print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")
+    print(f"model and tokenizer saved to {summary['output']}")
+    print(f"summary and log history: {output_dir / 'pretrain_summary.json'}")
+    curve = output_dir / "loss_curve.png"
+    if plot_loss_curve(summary["log_history"], curve):
+        print(f"loss curve: {curve}")
+    else:
+        print("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")

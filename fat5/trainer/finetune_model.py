@@ -1,0 +1,163 @@
+"""The model side of `fat5 finetune`: the FAT5 folder or Hub id, the task's class, the tokenizer and PEFT's LoRA."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import FAT5Error
+
+# PEFT's task type, and the head that trains in full beside the adapters, per task
+PEFT_TASK_TYPES = {"seq2seq": "SEQ_2_SEQ_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
+HEAD_MODULES = {"seq2seq": None, "sequence_classification": ["classification_head"], "token_classification": ["classifier"]}
+ATTENTION_PROJECTIONS = ["q", "k", "v", "o"]
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def resolve_model_path(model: str) -> str:
+    """A local FAT5 folder as an absolute path (a saved adapter records it to find its base), or a Hub repo id."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FAT5Error(f"model: {folder} has no config.json; give a FAT5 model folder (`fat5 convert` writes one)")
+        try:
+            model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError) as error:
+            raise FAT5Error(f"model: cannot read {config_file} ({error})") from None
+        if model_type != "fat5":
+            raise FAT5Error(
+                f"model: {folder} holds a {model_type!r} model, not a FAT5 one; convert it first: "
+                f"fat5 convert {model} OUT_DIR"
+            )
+        return str(folder.resolve())
+    if folder.exists() or not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
+        raise FAT5Error(f"model: {model} is not a model folder (no such directory) nor a Hub repo id")
+    _model_config(model)
+    return model
+
+
+def _model_config(model_path: str):
+    """The FAT5Config saved at ``model_path`` (a folder or a Hub repo id); anything else is a FAT5Error."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FAT5Error(f"model: {model_path}: no such folder here, and no FAT5 model could be loaded from the Hub "
+                        f"under that name ({reason})") from None
+    if config.model_type != "fat5":
+        raise FAT5Error(f"model: {model_path} holds a {config.model_type!r} model, not a FAT5 one; convert it first: "
+                        f"fat5 convert {model_path} OUT_DIR")
+    return config
+
+
+def _model_class(task: str):
+    from .. import FAT5ForConditionalGeneration, FAT5ForSequenceClassification, FAT5ForTokenClassification
+
+    return {
+        "seq2seq": FAT5ForConditionalGeneration,
+        "sequence_classification": FAT5ForSequenceClassification,
+        "token_classification": FAT5ForTokenClassification,
+    }[task]
+
+
+def load_model(task: str, model_path: str, model_kwargs: dict, dtype: str = "float32"):
+    """The task's FAT5 class from ``model_path`` (config fields in ``model_kwargs`` override the saved ones), its
+    weights in ``dtype`` (``"auto"``: as saved)."""
+    import torch
+
+    config = _model_config(model_path)
+    head_fields = {"num_labels", "id2label", "label2id", "problem_type"}
+    unknown = sorted(name for name in model_kwargs if name not in head_fields and not hasattr(config, name))
+    if unknown:
+        raise FAT5Error(f"model_overrides: {unknown} are not FAT5Config fields")
+    for name, value in model_kwargs.items():
+        setattr(config, name, value)
+    try:
+        config._validate()
+    except ValueError as error:
+        raise FAT5Error(f"model_overrides: {error}") from None
+    try:
+        model = _model_class(task).from_pretrained(
+            model_path,
+            config=config,
+            dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+            # a classification checkpoint with another number of classes gets a new head
+            ignore_mismatched_sizes=task != "seq2seq",
+        )
+    except (OSError, ValueError) as error:
+        raise FAT5Error(f"model: cannot load the weights of {model_path} ({error})") from None
+    return model
+
+
+def load_tokenizer(path: str, task: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise FAT5Error(f"tokenizer: cannot load a tokenizer from {path} ({error}); set `tokenizer:` in the config")
+    if tokenizer.pad_token_id is None:
+        raise FAT5Error(f"tokenizer: {path}'s tokenizer has no padding token")
+    if task == "token_classification" and not tokenizer.is_fast:
+        raise FAT5Error("tokenizer: token_classification needs a fast tokenizer (it maps sub-word pieces to words)")
+    return tokenizer
+
+
+def linear_module_names(model) -> dict[str, str]:
+    """Full name -> last name component of every `nn.Linear` of ``model`` (what LoRA can wrap)."""
+    from torch import nn
+
+    return {name: name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def default_lora_targets(model) -> list[str]:
+    """T5's projections: attention q, k, v, o; feed-forward wi_0, wi_1, wo (gated) or wi, wo (ReLU, T5 v1.0)."""
+    feed_forward = ["wi_0", "wi_1", "wo"] if model.config.is_gated_act else ["wi", "wo"]
+    return ATTENTION_PROJECTIONS + feed_forward
+
+
+def check_lora_targets(model, target_modules: list[str]) -> None:
+    """Every LoRA target must name linear layers of ``model`` (by last name component or full name)."""
+    linear = linear_module_names(model)
+    short_names = set(linear.values())
+    missing = [
+        target for target in target_modules
+        if target not in short_names and not any(name == target or name.endswith("." + target) for name in linear)
+    ]
+    if missing:
+        hint = ""
+        if {"wi_0", "wi_1"} & set(missing) and "wi" in short_names:
+            hint = " (this model's feed-forward is not gated: its input projection is `wi`, not wi_0/wi_1)"
+        elif "wi" in missing and "wi_0" in short_names:
+            hint = " (this model's feed-forward is gated: its input projections are `wi_0` and `wi_1`)"
+        raise FAT5Error(
+            f"lora.target_modules: {missing} name no linear layer of this model{hint}; its linear layers are "
+            f"{sorted(short_names)}"
+        )
+
+
+def apply_lora(model, task: str, lora: dict):
+    """Wrap ``model`` in a PEFT LoRA model; the base weights freeze, the adapters (and a task head) train."""
+    from peft import LoraConfig, get_peft_model
+
+    target_modules = lora["target_modules"] or default_lora_targets(model)
+    check_lora_targets(model, target_modules)
+    modules_to_save = lora["modules_to_save"] if lora["modules_to_save"] is not None else HEAD_MODULES[task]
+    peft_config = LoraConfig(
+        task_type=PEFT_TASK_TYPES[task],
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=target_modules,
+        modules_to_save=modules_to_save,
+        bias=lora["bias"],
+        use_rslora=lora["use_rslora"],
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as error:
+        raise FAT5Error(f"lora: {error}") from None
