@@ -1,4 +1,4 @@
-"""A full disk during `fat5 convert` or `fat5 pretrain`: one line that says the disk is full and where, and nothing
+"""A full disk during `fat5 convert`, `fat5 pretrain` or `fat5 finetune`: one line that says the disk is full and where, and nothing
 half-written. A 3 MiB tmpfs, filled but for a little, stands in for the full disk (mounting one needs root: the
 tests are skipped, saying why, where it cannot be mounted)."""
 
@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_conversion import make_checkpoint
@@ -68,3 +69,26 @@ def test_pretrain_on_a_full_disk(small_disk, tmp_path):
     assert "checkpoint-2 was not written; no complete checkpoint is kept" in line
     # nothing half-written: no checkpoint folder, no staging folder, no final model
     assert sorted(path.name for path in run.iterdir()) == ["tokenizer"]
+
+
+def test_finetune_on_a_full_disk(small_disk, tmp_path, tiny_model):
+    speeches = Path(__file__).parent / "data" / "shakespeare_speeches.jsonl"
+    config = {
+        "task": "seq2seq", "model": str(tiny_model),
+        "data": {"train_file": str(speeches), "validation_fraction": None, "text_column": "document",
+                 "target_column": "summary", "max_target_length": 8},
+        "training": {"max_steps": 1, "per_device_train_batch_size": 4, "save_strategy": "no", "use_cpu": True,
+                     "disable_tqdm": True, "report_to": "none"},
+    }
+    (tmp_path / "config.yaml").write_text(json.dumps(config))
+    # room for the run's records, not for the final model's weights
+    _fill(small_disk, leave=40_000)
+    run = small_disk / "run"
+    finetuned = _fat5("finetune", tmp_path / "config.yaml", "--output-dir", run, cwd=tmp_path)
+    assert finetuned.returncode == 2, finetuned.stderr[-3000:]
+    assert "Traceback" not in finetuned.stderr
+    [line] = [line for line in finetuned.stderr.strip().splitlines() if line.startswith("fat5 finetune")]
+    assert line.startswith(f"fat5 finetune: error: the disk holding {run} is full")
+    assert "the final model was not written" in line
+    assert not (run / ".final-model.tmp").exists()
+    assert not (run / "model.safetensors").exists()
