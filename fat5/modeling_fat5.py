@@ -11,6 +11,7 @@ import copy
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -239,6 +240,55 @@ def fire_bias(parameters: dict, bidirectional: bool, query_length: int, key_leng
     return bias.permute(2, 0, 1)
 
 
+class StackPositionEncoding:
+    """A self-attention layer's position encoding, and the parameters of it that travel along the stack.
+
+    T5's bucket table and FIRE's MLP belong to the first block's self-attention (to every block's with
+    ``position_bias_per_layer``) and serve the later blocks too. They travel as the stack's *position parameters*: a
+    tuple of tensors in the order of ``parameter_names``, which each block takes as arguments and gives back as
+    outputs (``FAT5Block.forward`` says why), copies of the first block's parameters rather than the parameters (see
+    ``FAT5Attention._position_bias``). ALiBi's slopes are fixed and RoPE rotates q and k before the kernel: neither
+    has parameters that travel, and RoPE adds no bias. Cross-attention has no position encoding (``kind="none"``).
+    """
+
+    # by their names in the module that owns them (``relative_attention_bias`` or ``fire``)
+    PARAMETER_NAMES: ClassVar[dict[str, tuple[str, ...]]] = {"t5": ("weight",), "fire": FAT5FIRE.PARAMETER_NAMES}
+
+    def __init__(self, kind: str, num_heads: int, bidirectional: bool, max_distance: int):
+        self.kind = kind
+        self.num_heads = num_heads
+        self.bidirectional = bidirectional
+        self.max_distance = max_distance
+        self.parameter_names = self.PARAMETER_NAMES.get(kind, ())
+        self._alibi_slopes = None
+
+    def parameters_of(self, owner: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The position parameters of ``owner`` (a ``relative_attention_bias`` or a ``fire``), in travelling order."""
+        own = dict(owner.named_parameters())
+        return tuple(own[name] for name in self.parameter_names)
+
+    def bias(self, parameters: tuple[torch.Tensor, ...], query_length: int, key_length: int, query_offset: int,
+             device: torch.device) -> PositionBias:
+        """What the attention kernels add to the scores at these lengths: T5's bucket table, FIRE's bias evaluated
+        for them, ALiBi's slopes, nothing for RoPE (applied to q and k beforehand) or without position encoding."""
+        if len(parameters) != len(self.parameter_names):
+            raise ValueError(
+                f"{self.kind!r} position encoding needs its {len(self.parameter_names)} position parameters "
+                f"{self.parameter_names} (a block that owns none receives the first block's), got {len(parameters)}"
+            )
+        if self.kind == "t5":
+            return PositionBias.t5(parameters[0], bidirectional=self.bidirectional, max_distance=self.max_distance)
+        if self.kind == "fire":
+            named = dict(zip(self.parameter_names, parameters))
+            return PositionBias.explicit(fire_bias(named, self.bidirectional, query_length, key_length, query_offset))
+        if self.kind == "alibi":
+            # made once per device: a host-to-device copy in every call would stall the step
+            if self._alibi_slopes is None or self._alibi_slopes.device != device:
+                self._alibi_slopes = alibi_slopes(self.num_heads).to(device)
+            return PositionBias.alibi(self._alibi_slopes)
+        return NO_POSITION_BIAS
+
+
 class FAT5Attention(nn.Module):
     """Self- or cross-attention with T5's projections; the position encoding is applied inside the kernel."""
 
@@ -266,7 +316,9 @@ class FAT5Attention(nn.Module):
         self.backend = config.attention_backend
         self.rope_theta = config.rope_theta
         self.has_relative_attention_bias = has_relative_attention_bias and self.position_encoding in ("t5", "fire")
-        self._alibi_slopes = None
+        self.stack_position_encoding = StackPositionEncoding(
+            self.position_encoding, self.n_heads, not is_decoder, self.relative_attention_max_distance
+        )
 
         self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
         self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
@@ -276,36 +328,6 @@ class FAT5Attention(nn.Module):
             self.relative_attention_bias = nn.Embedding(self.relative_attention_num_buckets, self.n_heads)
         if self.has_relative_attention_bias and self.position_encoding == "fire":
             self.fire = FAT5FIRE(config, bidirectional=not is_decoder)
-        # the position parameters that travel from the first block to the later ones, in their travelling order
-        self.position_parameter_names = {"t5": ("weight",), "fire": FAT5FIRE.PARAMETER_NAMES}.get(
-            self.position_encoding, ()
-        )
-
-    def _own_position_parameters(self) -> dict[str, torch.Tensor]:
-        if self.position_encoding == "t5":
-            return {"weight": self.relative_attention_bias.weight}
-        return dict(self.fire.named_parameters())
-
-    def _position_source(self, parameters: dict, query_length: int, key_length: int, query_offset: int):
-        """What the kernels read for the position encoding: T5's bucket table, or FIRE's bias."""
-        if self.position_encoding == "t5":
-            return parameters["weight"]
-        return fire_bias(parameters, not self.is_decoder, query_length, key_length, query_offset)
-
-    def _position_bias(self, position_source: torch.Tensor | None, device) -> PositionBias:
-        """What the attention kernels add to the scores (RoPE, applied to q and k beforehand, adds nothing)."""
-        if self.position_encoding == "t5":
-            return PositionBias.t5(
-                position_source, bidirectional=not self.is_decoder, max_distance=self.relative_attention_max_distance
-            )
-        if self.position_encoding == "alibi":
-            # made once per device: a host-to-device copy in every call would stall the step
-            if self._alibi_slopes is None or self._alibi_slopes.device != device:
-                self._alibi_slopes = alibi_slopes(self.n_heads).to(device)
-            return PositionBias.alibi(self._alibi_slopes)
-        if self.position_encoding == "fire":
-            return PositionBias.explicit(position_source)
-        return NO_POSITION_BIAS
 
     def _static_cache(self, past_key_values) -> bool:
         """Whether this self-attention layer decodes into a fixed-size cache buffer (transformers' StaticCache)."""
@@ -324,13 +346,13 @@ class FAT5Attention(nn.Module):
         layout: TokenLayout,
         key_value_states: torch.Tensor | None = None,
         key_value_layout: TokenLayout | None = None,
-        shared_position: tuple[torch.Tensor, ...] = (),
+        position_parameters: tuple[torch.Tensor, ...] = (),
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """Returns the output, the position parameters that the later layers of the stack use (in the order of
-        ``position_parameter_names``: copies of this layer's own when it has some, else ``shared_position``, the
-        first layer's, passed on) and, with ``output_attentions``, the attention probabilities (batch, heads,
+        """Returns the output, the stack's position parameters for the later layers (see
+        :class:`StackPositionEncoding`: copies of this layer's own when it has some, else ``position_parameters``,
+        the first layer's, passed on) and, with ``output_attentions``, the attention probabilities (batch, heads,
         query, key), else None."""
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
@@ -344,7 +366,7 @@ class FAT5Attention(nn.Module):
             position_lengths = (layout.max_seqlen, key_value_layout.max_seqlen, 0)
         else:
             position_lengths = (query_length, key.shape[2], query_offset)
-        position_bias, shared_position = self._position_bias_and_shared(shared_position, position_lengths, query.device)
+        position_bias, position_parameters = self._position_bias(position_parameters, position_lengths, query.device)
 
         dropout_p = self.dropout if self.training else 0.0
         if layout.is_packed:
@@ -357,7 +379,7 @@ class FAT5Attention(nn.Module):
                 output_attentions,
             )
         # reshape: below the kernels' smallest head dim the output is a slice of a padded one (not contiguous)
-        return self.o(output.reshape(batch_size, query_length, self.inner_dim)), shared_position, probabilities
+        return self.o(output.reshape(batch_size, query_length, self.inner_dim)), position_parameters, probabilities
 
     def _keys_values(self, hidden_states, key_value_states, key_value_layout, past_key_values):
         """The keys and values that the queries attend to, through the KV cache when there is one (a cross-attention
@@ -379,20 +401,16 @@ class FAT5Attention(nn.Module):
             return key, value
         return past_key_values.self_attention_cache.update(key, value, self.layer_idx)
 
-    def _position_bias_and_shared(self, shared_position, position_lengths, device):
-        """The PositionBias of this layer (from its own position parameters or the first layer's) and the parameters
-        that it passes on to the later layers."""
-        position_source = None
-        if self.has_relative_attention_bias:
-            own = self._own_position_parameters()
-            position_source = self._position_source(own, *position_lengths)
-            # copies, not the parameters: under FSDP this block's parameters are sharded again once it has run, and
-            # a copy's backward needs no parameter values, only adds its gradient to them
-            shared_position = tuple(own[name].clone() for name in self.position_parameter_names)
-        elif shared_position:
-            shared = dict(zip(self.position_parameter_names, shared_position))
-            position_source = self._position_source(shared, *position_lengths)
-        return self._position_bias(position_source, device), shared_position
+    def _position_bias(self, position_parameters, position_lengths, device) -> tuple[PositionBias, tuple]:
+        """This layer's PositionBias, and the position parameters that it passes on to the later layers: copies of
+        its own when it owns some, else those it received (``position_parameters``)."""
+        encoding = self.stack_position_encoding
+        if not self.has_relative_attention_bias:
+            return encoding.bias(position_parameters, *position_lengths, device), position_parameters
+        own = encoding.parameters_of(self.relative_attention_bias if self.position_encoding == "t5" else self.fire)
+        # copies, not the parameters: under FSDP this block's parameters are sharded again once it has run, and a
+        # copy's backward needs no parameter values, only adds its gradient to them
+        return encoding.bias(own, *position_lengths, device), tuple(parameter.clone() for parameter in own)
 
     def _attend_packed(self, query, key, value, layout, key_value_layout, position_bias, dropout_p):
         """The varlen attention over packed rows: (tokens, heads, head_dim)."""
@@ -469,12 +487,12 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, shared_position=(), past_key_values=None, output_attentions=False):
-        attention_output, shared_position, probabilities = self.SelfAttention(
-            self.layer_norm(hidden_states), layout, shared_position=shared_position, past_key_values=past_key_values,
-            output_attentions=output_attentions,
+    def forward(self, hidden_states, layout, position_parameters=(), past_key_values=None, output_attentions=False):
+        attention_output, position_parameters, probabilities = self.SelfAttention(
+            self.layer_norm(hidden_states), layout, position_parameters=position_parameters,
+            past_key_values=past_key_values, output_attentions=output_attentions,
         )
-        return hidden_states + self.dropout(attention_output), shared_position, probabilities
+        return hidden_states + self.dropout(attention_output), position_parameters, probabilities
 
 
 class FAT5LayerCrossAttention(nn.Module):
@@ -518,18 +536,18 @@ class FAT5Block(GradientCheckpointingLayer):
         encoder_hidden_states=None,
         encoder_layout=None,
         past_key_values=None,
-        *shared_position,
+        *position_parameters,
         output_attentions=False,
     ):
         """Returns the hidden states, the self-attention's and the cross-attention's probabilities (None unless
-        ``output_attentions``; the cross-attention's also None where there is none), then the shared position
-        parameters (see ``FAT5Attention.forward``).
+        ``output_attentions``; the cross-attention's also None where there is none), then the stack's position
+        parameters for the next block (see :class:`StackPositionEncoding`).
 
-        The shared parameters come in and go out as tensors of their own, not in a container: reentrant gradient
+        The position parameters come in and go out as tensors of their own, not in a container: reentrant gradient
         checkpointing (``use_reentrant=True``) carries gradients only through the tensors among a block's arguments
         and outputs, and would lose the later blocks' share of the first block's bias table."""
-        hidden_states, shared_position, self_probabilities = self.layer[0](
-            hidden_states, layout, shared_position, past_key_values, output_attentions
+        hidden_states, position_parameters, self_probabilities = self.layer[0](
+            hidden_states, layout, position_parameters, past_key_values, output_attentions
         )
         hidden_states = _clamp_fp16(hidden_states)
         cross_probabilities = None
@@ -539,7 +557,7 @@ class FAT5Block(GradientCheckpointingLayer):
             )
             hidden_states = _clamp_fp16(hidden_states)
         hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
-        return hidden_states, self_probabilities, cross_probabilities, *shared_position
+        return hidden_states, self_probabilities, cross_probabilities, *position_parameters
 
 
 class FAT5Stack(nn.Module):
@@ -666,7 +684,7 @@ class FAT5Stack(nn.Module):
                     output_hidden_states, output_attentions) -> BaseModelOutputWithPastAndCrossAttentions:
         # the first block's position parameters (T5 table, FIRE) travel as tensors to the blocks that share them, never
         # as a reference to the first block, whose parameters FSDP shards again once it has run
-        shared_position = ()
+        position_parameters = ()
         all_hidden_states = () if output_hidden_states else None
         attentions = () if output_attentions else None
         cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
@@ -674,8 +692,8 @@ class FAT5Stack(nn.Module):
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, self_probabilities, cross_probabilities, *shared_position = block(
-                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, *shared_position,
+            hidden_states, self_probabilities, cross_probabilities, *position_parameters = block(
+                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, *position_parameters,
                 output_attentions=output_attentions,
             )
             if output_attentions:
@@ -814,14 +832,14 @@ class FAT5PreTrainedModel(PreTrainedModel):
     config: FAT5Config
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["FAT5Block"]
+    _no_split_modules: ClassVar[list[str]] = ["FAT5Block"]
     _supports_cache_class = True
     _can_compile_fullgraph = False
     # T5's: fp16 checkpoints of T5 v1.1 / FLAN-T5 overflow in the feed-forward's output projection unless it stays fp32
-    _keep_in_fp32_modules = ["wo"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["wo"]
     # each class names the weights that may share the embedding's storage (what save_pretrained dedups) among the
     # modules it has; which ones actually do is decided per model by get_expanded_tied_weights_keys
-    _tied_weights_keys = {}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: FAT5Config, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
@@ -1069,7 +1087,7 @@ class FAT5Model(_FAT5EncoderDecoder):
     """The bare encoder-decoder, returning the decoder's last hidden states."""
 
     # a checkpoint of the full model loads quietly without its head, as in T5Model
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1232,7 +1250,7 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
     the decoding step once into CUDA graphs and replays it for every new token.
     """
 
-    _tied_weights_keys = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1371,8 +1389,8 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
 class FAT5EncoderModel(FAT5PreTrainedModel):
     """The encoder alone (embeddings, blocks, final norm): sentence embeddings and encoder task heads."""
 
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
-    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"encoder.embed_tokens.weight": "shared.weight"}
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1419,8 +1437,8 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
 class _FAT5EncoderWithHead(FAT5PreTrainedModel):
     """An encoder task head: the encoder's parameters keep the full model's names, so a converted checkpoint loads."""
 
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
-    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"encoder.embed_tokens.weight": "shared.weight"}
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1766,11 +1784,11 @@ def _span_loss(start_logits, end_logits, start_positions, end_positions):
 
 
 __all__ = [
-    "FAT5PreTrainedModel",
-    "FAT5Model",
-    "FAT5ForConditionalGeneration",
     "FAT5EncoderModel",
+    "FAT5ForConditionalGeneration",
+    "FAT5ForQuestionAnswering",
     "FAT5ForSequenceClassification",
     "FAT5ForTokenClassification",
-    "FAT5ForQuestionAnswering",
+    "FAT5Model",
+    "FAT5PreTrainedModel",
 ]

@@ -573,3 +573,23 @@ def test_bad_inputs_get_clear_errors():
         model.get_encoder()(input_ids=input_ids[:1, :4], segment_ids=torch.tensor([[1, 2, 1, 0]]))
     with pytest.raises(ValueError, match="exactly one"):
         model.get_encoder()()
+
+
+@pytest.mark.parametrize("position_encoding", ["t5", "fire"])
+def test_later_blocks_take_copies_of_the_first_blocks_position_parameters_and_refuse_to_run_without(position_encoding):
+    from fat5.modeling_fat5 import TokenLayout
+
+    model = FAT5EncoderModel(FAT5Config(**TINY, position_encoding=position_encoding, attention_backend="reference"))
+    first, later = model.encoder.block[0], model.encoder.block[1]
+    hidden_states = torch.randn(2, 5, 32)
+    layout = TokenLayout.padded(2, 5)
+    _, _, _, *position_parameters = first(hidden_states, layout)
+    owner = first.layer[0].SelfAttention
+    owned = owner.relative_attention_bias if position_encoding == "t5" else owner.fire
+    assert len(position_parameters) == len(list(owned.parameters()))
+    for travelling in position_parameters:  # copies: FSDP reshards the first block once it has run
+        assert not any(travelling is parameter for parameter in owned.parameters())
+        assert any(torch.equal(travelling, parameter) for parameter in owned.parameters())
+    later(hidden_states, layout, None, None, None, *position_parameters)
+    with pytest.raises(ValueError, match="position parameters"):
+        later(hidden_states, layout)
