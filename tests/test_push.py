@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from test_conversion import make_checkpoint
+from helpers import make_checkpoint
 
 from fat5.conversion import convert
 from fat5.hub_upload import PushError, add_hub_commands, bundle, push
