@@ -10,6 +10,7 @@ cross-entropy with z-loss.
 import copy
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -828,14 +829,14 @@ class FAT5PreTrainedModel(PreTrainedModel):
     config: FAT5Config
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["FAT5Block"]
+    _no_split_modules: ClassVar[list[str]] = ["FAT5Block"]
     _supports_cache_class = True
     _can_compile_fullgraph = False
     # T5's: fp16 checkpoints of T5 v1.1 / FLAN-T5 overflow in the feed-forward's output projection unless it stays fp32
-    _keep_in_fp32_modules = ["wo"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["wo"]
     # each class names the weights that may share the embedding's storage (what save_pretrained dedups) among the
     # modules it has; which ones actually do is decided per model by get_expanded_tied_weights_keys
-    _tied_weights_keys = {}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: FAT5Config, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
@@ -1057,7 +1058,7 @@ class FAT5Model(FAT5PreTrainedModel):
 
     _tied_weights_keys = _STACK_EMBEDDINGS
     # a checkpoint of the full model loads quietly without its head, as in T5Model
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1218,7 +1219,7 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
     the decoding step once into CUDA graphs and replays it for every new token.
     """
 
-    _tied_weights_keys = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {**_STACK_EMBEDDINGS, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1371,8 +1372,8 @@ class FAT5ForConditionalGeneration(FAT5PreTrainedModel, GenerationMixin):
 class FAT5EncoderModel(FAT5PreTrainedModel):
     """The encoder alone (embeddings, blocks, final norm): sentence embeddings and encoder task heads."""
 
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
-    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"encoder.embed_tokens.weight": "shared.weight"}
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1417,8 +1418,8 @@ class FAT5EncoderModel(FAT5PreTrainedModel):
 class _FAT5EncoderWithHead(FAT5PreTrainedModel):
     """An encoder task head: the encoder's parameters keep the full model's names, so a converted checkpoint loads."""
 
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
-    _keys_to_ignore_on_load_unexpected = [r"^decoder\.", r"^lm_head\."]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"encoder.embed_tokens.weight": "shared.weight"}
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^decoder\.", r"^lm_head\."]
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -1749,11 +1750,11 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
 
 
 __all__ = [
-    "FAT5PreTrainedModel",
-    "FAT5Model",
-    "FAT5ForConditionalGeneration",
     "FAT5EncoderModel",
+    "FAT5ForConditionalGeneration",
+    "FAT5ForQuestionAnswering",
     "FAT5ForSequenceClassification",
     "FAT5ForTokenClassification",
-    "FAT5ForQuestionAnswering",
+    "FAT5Model",
+    "FAT5PreTrainedModel",
 ]
