@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
+from common import copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -218,6 +218,7 @@ def flops(batch, length, head_dim, causal, forward_backward, query_divisor=1):
 def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TOKENS // 1024, query_divisor=1):
     """Relative errors of the output and every gradient against the fp32 reference (the bias-free ceilings are
     compared with the bias-free reference)."""
+    from fat5.conversion.verify import relative_error
     from fat5.kernels.attention import attention
 
     q, k, v, position = make_inputs(batch, length, head_dim, position_encoding, seed=1, query_divisor=query_divisor)
@@ -277,6 +278,7 @@ def decoding(cache, name):
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from fat5.conversion.verify import relative_error
     from fat5.kernels.attention import attention
 
     generator = torch.Generator(device=DEVICE).manual_seed(2)
@@ -396,6 +398,7 @@ def _backward_ms(q, k, v, differentiated, options):
 def _slice_error(q, k, v, options):
     """The largest relative error of the output and of q, k, v's gradients on a 1 x 1024 slice of the inputs,
     against the fp32 reference with the same options."""
+    from fat5.conversion.verify import relative_error
     from fat5.kernels.attention import attention
 
     sliced = [t.detach()[:1, :, :1024].clone().requires_grad_() for t in (q, k, v)]
@@ -628,11 +631,7 @@ def plot(document, path):
             axis.set_ylabel("TFLOP/s")
             axis.grid(True, alpha=0.3)
             axis.legend(fontsize=7)
-    environment = document["environment"]
-    figure.suptitle(f"attention, bf16, {HEADS} heads, {TOKENS} tokens per batch — {environment.get('gpu')}, "
-                    f"torch {environment.get('torch')}, triton {environment.get('triton')}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_png(figure, path, document, f"attention, bf16, {HEADS} heads, {TOKENS} tokens per batch", dpi=110)
 
 
 def main():
@@ -645,10 +644,8 @@ def main():
     parser.add_argument("--tables", nargs="+", default=list(DEFAULT_TABLES), choices=[table[0] for table in TABLES],
                         help=f"which tables (default {' '.join(DEFAULT_TABLES)})")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")
-    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
-    args = parser.parse_args()
-    if args.plot_only:
-        redraw(plot, args.plot_only)
+    args = parse_or_plot(parser, plot)
+    if args is None:
         return
     if args.lengths is None:
         args.lengths = BREAKDOWN_LENGTHS if args.breakdown else LENGTHS

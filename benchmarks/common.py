@@ -1,5 +1,6 @@
 """What every benchmark shares: the machine and versions it ran on, and how results are written."""
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -61,6 +62,25 @@ def redraw(plot, result_path: str) -> None:
         plot(json.load(handle), result_path.replace(".json", ".png"))
 
 
+def parse_or_plot(parser: argparse.ArgumentParser, plot, argv=None) -> argparse.Namespace | None:
+    """The script's arguments, ``--plot-only JSON`` added; None once that option has redrawn the result's PNG."""
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        redraw(plot, args.plot_only)
+        return None
+    return args
+
+
+def save_png(figure, path: str, document: dict, title: str = "", dpi: int = 120) -> None:
+    """The figure to `path`, titled `title` and the GPU, torch and triton of the result."""
+    environment = document["environment"]
+    versions = f"{environment.get('gpu')} - torch {environment.get('torch')}, triton {environment.get('triton')}"
+    figure.suptitle(f"{title} - {versions}" if title else versions)
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy rate (bytes read + written), the ceiling the bandwidth floors are computed with."""
     import triton.testing
@@ -103,11 +123,6 @@ def cold_graph_ms(function, leaves, repeats=100) -> float:
     for leaf in leaves:
         leaf.grad = None
     return sorted(start.elapsed_time(end) for start, end in events)[repeats // 2]
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected||, in float64."""
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:

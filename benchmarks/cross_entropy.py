@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
 
 DEVICE = "cuda"
 SHAPES = [(8192, 32128), (4096, 250112)]
@@ -67,6 +67,8 @@ def variants():
 
 
 def check(fn, logits, labels, reference_loss, reference_grad) -> dict:
+    from fat5.conversion.verify import relative_error
+
     leaf = logits.clone().requires_grad_()
     loss = fn(leaf, labels)
     loss.backward()
@@ -240,10 +242,7 @@ def plot(document: dict, path: str) -> None:
         axis.set_title(f"CE + z-loss, bf16, {entry['rows']} x {entry['vocab_size']}")
         axis.tick_params(axis="x", labelrotation=20)
         axis.legend()
-    environment = document["environment"]
-    figure.suptitle(f"{environment.get('gpu')} - torch {environment['torch']}, triton {environment['triton']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_png(figure, path, document)
 
 
 def main():
@@ -251,10 +250,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/cross_entropy.json")
     parser.add_argument("--sweep", action="store_true", help="also time the forward kernel over launch configs")
     parser.add_argument("--profile", action="store_true", help="print a profiler table of FAT5 and Liger")
-    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
-    args = parser.parse_args()
-    if args.plot_only:
-        redraw(plot, args.plot_only)
+    args = parse_or_plot(parser, plot)
+    if args is None:
         return
     document = run(args)
     rows = [

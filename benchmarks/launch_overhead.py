@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, write_result  # noqa: E402
-from model import build_models, random_batch, time_ms, train_step_factory  # noqa: E402
+from common import markdown_table, write_result
+from model import build_models, random_batch, time_ms, train_step_factory
 
 TRAINING_SHAPES = ((16, 1024), (32, 1024), (1, 8192))  # (batch, encoder length); decoder a quarter
 GENERATION_BATCHES = (1, 32)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import draw_beside, markdown_table, redraw, relative_error, write_result
+from common import draw_beside, markdown_table, parse_or_plot, save_png, write_result
 
 Z_LOSS = 1e-4
 
@@ -48,6 +48,8 @@ def variants(chunk_rows_options):
 
 def measure(fn, hidden, weight, labels, reference) -> dict:
     import triton.testing
+
+    from fat5.conversion.verify import relative_error
 
     leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
     loss = fn(*leaves, labels)
@@ -111,13 +113,8 @@ def plot(document: dict, path: str) -> None:
                       if key == "peak_extra_mib" else f"{bar.get_height():.1f}", ha="center", va="bottom", fontsize=8)
         axis.set_ylabel(label)
         axis.tick_params(axis="x", labelrotation=15, labelsize=7)
-    environment = document["environment"]
-    figure.suptitle(
-        f"output layer + CE + z-loss, bf16, {document['tokens']} x {document['d_model']} -> {document['vocab_size']}"
-        f" - {environment.get('gpu')}, torch {environment['torch']}, triton {environment['triton']}"
-    )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    shape = f"{document['tokens']} x {document['d_model']} -> {document['vocab_size']}"
+    save_png(figure, path, document, f"output layer + CE + z-loss, bf16, {shape}")
 
 
 def main():
@@ -126,10 +123,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--vocab-size", type=int, default=250112)
-    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
-    args = parser.parse_args()
-    if args.plot_only:
-        redraw(plot, args.plot_only)
+    args = parse_or_plot(parser, plot)
+    if args is None:
         return
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")

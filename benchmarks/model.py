@@ -11,6 +11,7 @@ Measures a training step (forward, backward, fused AdamW; bf16 weights), the enc
 """
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -20,15 +21,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, write_result  # noqa: E402
+from common import environment, markdown_table, write_result
 
 SHAPES = {
-    "small": dict(d_model=512, d_ff=1024, num_layers=8, num_heads=6, d_kv=64),
-    "base": dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64),
-    "large": dict(d_model=1024, d_ff=2816, num_layers=24, num_heads=16, d_kv=64),
+    "small": {"d_model": 512, "d_ff": 1024, "num_layers": 8, "num_heads": 6, "d_kv": 64},
+    "base": {"d_model": 768, "d_ff": 2048, "num_layers": 12, "num_heads": 12, "d_kv": 64},
+    "large": {"d_model": 1024, "d_ff": 2816, "num_layers": 24, "num_heads": 16, "d_kv": 64},
 }
-COMMON = dict(vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
-              decoder_start_token_id=0)
+COMMON = {"vocab_size": 32128, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
+          "decoder_start_token_id": 0}
 DEFAULT_BATCHES = {512: 64, 1024: 32, 2048: 16, 4096: 4, 8192: 1, 16384: 1}
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -180,7 +181,7 @@ def measure_training(name, model, lengths, batches, peak_tflops, checkpointing=F
         release()
         if checkpointing:
             set_activation_checkpointing(model, True)
-        row = dict(implementation=name, encoder_length=length, batch=batch, checkpointing=checkpointing)
+        row = {"implementation": name, "encoder_length": length, "batch": batch, "checkpointing": checkpointing}
         try:
             if packed_examples:
                 inputs, labels, examples = packed_batch(batch, length, decoder_length, packed_examples,
@@ -229,8 +230,8 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
             step, optimizer = train_step_factory(model.train(), input_ids, labels)
             step()
             torch.cuda.synchronize()
-            longest = dict(implementation=name, encoder_length=length, checkpointing=checkpointing,
-                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            longest = {"implementation": name, "encoder_length": length, "checkpointing": checkpointing,
+                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
             del step, optimizer
         except torch.cuda.OutOfMemoryError:
             break
@@ -339,18 +340,17 @@ def measure_generation(models, caches=("dynamic",), batches=(1, 32), input_lengt
                 release()
                 model.eval()
                 extra = {"cache_implementation": "static"} if cache == "static" else {}
-
-                def generate():
-                    return model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                          do_sample=False, num_beams=1, **extra)
+                generate = functools.partial(model.generate, input_ids=input_ids, max_new_tokens=new_tokens,
+                                             min_new_tokens=new_tokens, do_sample=False, num_beams=1, **extra)
 
                 started = time.perf_counter()
                 outputs[name, cache] = generate()
                 first_call_s = time.perf_counter() - started
                 milliseconds = time_ms(generate, warmup=1, repeats=3)
-                rows.append(dict(implementation=name, cache=cache, batch=batch, input_length=input_length,
-                                 new_tokens=new_tokens, ms=round(milliseconds, 1), first_call_s=round(first_call_s, 1),
-                                 tokens_per_second=round(batch * new_tokens / milliseconds * 1e3)))
+                rows.append({"implementation": name, "cache": cache, "batch": batch, "input_length": input_length,
+                             "new_tokens": new_tokens, "ms": round(milliseconds, 1),
+                             "first_call_s": round(first_call_s, 1),
+                             "tokens_per_second": round(batch * new_tokens / milliseconds * 1e3)})
                 reference = outputs.get(("transformers", "dynamic"))
                 if reference is not None and reference.shape == outputs[name, cache].shape:
                     same = (outputs[name, cache] == reference).float().mean().item()
@@ -369,12 +369,13 @@ def measure_encoder(models, lengths, batches):
             release()
             encoder = model.eval().get_encoder()
             try:
-                milliseconds = time_ms(lambda: encoder(input_ids=input_ids), warmup=2, repeats=5)
-                rows.append(dict(implementation=name, encoder_length=length, batch=batch, ms=round(milliseconds, 2),
-                                 tokens_per_second=round(batch * length / milliseconds * 1e3),
-                                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)))
+                milliseconds = time_ms(functools.partial(encoder, input_ids=input_ids), warmup=2, repeats=5)
+                rows.append({"implementation": name, "encoder_length": length, "batch": batch,
+                             "ms": round(milliseconds, 2),
+                             "tokens_per_second": round(batch * length / milliseconds * 1e3),
+                             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
             except torch.cuda.OutOfMemoryError:
-                rows.append(dict(implementation=name, encoder_length=length, batch=batch, ms="OOM"))
+                rows.append({"implementation": name, "encoder_length": length, "batch": batch, "ms": "OOM"})
             print(rows[-1], flush=True)
     return rows
 

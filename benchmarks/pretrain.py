@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import draw_beside, environment, markdown_table, redraw, write_result
+from common import draw_beside, environment, markdown_table, parse_or_plot, write_result
 
 logger = logging.getLogger("benchmarks.pretrain")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -448,10 +448,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
-    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing result file")
-    args = parser.parse_args(argv)
-    if args.plot_only:
-        redraw(plot, args.plot_only)
+    args = parse_or_plot(parser, plot, argv)
+    if args is None:
         return
     if args.tiny:
         args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120

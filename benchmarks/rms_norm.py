@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, redraw, relative_error, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -56,6 +56,8 @@ def variants():
 
 
 def check(fn, x, w, grad_output, reference) -> dict:
+    from fat5.conversion.verify import relative_error
+
     leaf_x, leaf_w = x.clone().requires_grad_(), w.clone().requires_grad_()
     output = fn(leaf_x, leaf_w)
     output.backward(grad_output.clone())  # Liger writes dx into the upstream gradient's buffer
@@ -234,10 +236,7 @@ def plot(document: dict, path: str) -> None:
         axis.set_ylabel("ms (log)")
         axis.set_title(f"RMSNorm {title}, bf16, {results[0]['tokens']} tokens")
         axis.legend(fontsize=8)
-    environment = document["environment"]
-    figure.suptitle(f"{environment.get('gpu')} - torch {environment['torch']}, triton {environment['triton']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_png(figure, path, document)
 
 
 def main():
@@ -245,10 +244,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/rms_norm.json")
     parser.add_argument("--sweep", action="store_true", help="also time both kernels over launch configs")
     parser.add_argument("--profile", action="store_true", help="print profiler tables of FAT5 and Liger")
-    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an existing result file")
-    args = parser.parse_args()
-    if args.plot_only:
-        redraw(plot, args.plot_only)
+    args = parse_or_plot(parser, plot)
+    if args is None:
         return
     document = run(args)
     rows = [

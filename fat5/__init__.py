@@ -45,12 +45,12 @@ for auto_class, model_class in (
 
 __all__ = [
     "FAT5Config",
-    "FAT5Error",
-    "FAT5PreTrainedModel",
-    "FAT5Model",
-    "FAT5ForConditionalGeneration",
     "FAT5EncoderModel",
+    "FAT5Error",
+    "FAT5ForConditionalGeneration",
+    "FAT5ForQuestionAnswering",
     "FAT5ForSequenceClassification",
     "FAT5ForTokenClassification",
-    "FAT5ForQuestionAnswering",
+    "FAT5Model",
+    "FAT5PreTrainedModel",
 ]

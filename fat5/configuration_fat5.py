@@ -1,6 +1,7 @@
 """FAT5 configuration: T5's fields, with their T5 meaning, plus the choices FAT5 adds."""
 
 import copy
+from typing import ClassVar
 
 from transformers import PretrainedConfig
 
@@ -88,8 +89,8 @@ class FAT5Config(PretrainedConfig):
 
     model_type = "fat5"
     # what the Trainer leaves out of the predictions: with the loss's two parts left out too, they are T5's
-    keys_to_ignore_at_inference = ["past_key_values", "cache", "ce_loss", "z_loss"]
-    attribute_map = {
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache", "ce_loss", "z_loss"]
+    attribute_map: ClassVar[dict[str, str]] = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",
         "num_hidden_layers": "num_layers",

@@ -1,4 +1,3 @@
-import json
 import os
 from pathlib import Path
 
@@ -9,12 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-# real text for the tiny tokenizers and finetuning runs (Shakespeare's speeches, shipped with the tests)
-DATA = REPO / "tests" / "data" / "shakespeare_speeches.jsonl"
-ROWS = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()]
+import pytest
+from helpers import ROWS  # after the choice above: helpers imports fat5, which imports triton
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ in fp64, the reference against ACT2FN exactly, and the model wired to it."""
 
 import pytest
 import torch
+from helpers import relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.activations import ACT2FN
@@ -23,10 +24,6 @@ def _float64_truth(gate, linear, activation, grad_output):
         inputs.append(linear)
         output = output * linear
     return output, torch.autograd.grad(output, inputs, grad_output.double())
-
-
-def _relative_error(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 @settings(max_examples=16, deadline=None)
@@ -76,7 +73,7 @@ def test_non_contiguous_inputs():
     linear = torch.randn(20, 20).t()
     output = gated_activation(gate, linear, "gelu_new", backend="triton")
     expected, _ = _float64_truth(gate, linear, "gelu_new", torch.ones_like(gate))
-    assert _relative_error(output, expected) < 1e-5
+    assert relative_error(output, expected) < 1e-5
 
 
 def test_empty_input():
@@ -175,6 +172,6 @@ def test_gpu_bf16_real_sizes(activation):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     expected, (expected_gate, expected_linear) = _float64_truth(gate, linear, activation, grad_output)
-    assert _relative_error(output, expected) < 1e-2
-    assert _relative_error(grad_gate, expected_gate) < 1e-2
-    assert _relative_error(grad_linear, expected_linear) < 1e-2
+    assert relative_error(output, expected) < 1e-2
+    assert relative_error(grad_gate, expected_gate) < 1e-2
+    assert relative_error(grad_linear, expected_linear) < 1e-2

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import relative_error
 
 from fat5.kernels import attention_triton
 from fat5.kernels.attention import attention, attention_varlen
@@ -10,10 +11,6 @@ from fat5.kernels.position_bias import PositionBias, alibi_slopes, t5_relative_b
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 1e-2
-
-
-def relative_error(actual, expected):
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def leaf(*shape, std=1.0, dtype=torch.bfloat16):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.models.t5.modeling_t5 import T5Attention
@@ -80,14 +81,6 @@ def fat5_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **truth_options):
     position_bias, options = _split_position_options(truth_options)
     return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, position_bias=position_bias, backend="triton",
                             **options)
-
-
-def relative_error(actual, expected):
-    expected = expected.float()
-    scale = expected.norm()
-    if scale == 0:
-        return actual.float().abs().max().item()
-    return ((actual.float() - expected).norm() / scale).item()
 
 
 def make_leaf(*shape, dtype=torch.float32, transposed=False):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from fat5.cli import main
 
@@ -175,7 +176,7 @@ def _console_script_entry() -> tuple[str, str]:
     """(module, function) of pyproject's `fat5` console script: what `pip install` makes `fat5` run."""
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    text = (REPO / "pyproject.toml").read_text()
     match = re.search(r'^\[project\.scripts\]\s*\nfat5 = "([\w.]+):(\w+)"', text, re.MULTILINE)
     assert match, "no fat5 console script in pyproject.toml"
     return match[1], match[2]

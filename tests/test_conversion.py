@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import FAMILIES, PREFIX, TINY, make_checkpoint, padded_seq2seq_batch, relative_error, transformers_class
 from safetensors.torch import load_file, save_file
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
@@ -19,91 +20,11 @@ from fat5.commands.convert import add_convert_commands
 from fat5.conversion import ConversionError, convert, export_hf
 from fat5.errors import FAT5Error
 
-TINY = {
-    "vocab_size": 96,
-    "d_model": 32,
-    "d_kv": 8,
-    "d_ff": 48,
-    "num_layers": 2,
-    "num_heads": 4,
-    "relative_attention_num_buckets": 8,
-    "relative_attention_max_distance": 16,
-    "dropout_rate": 0.0,
-    "decoder_start_token_id": 0,
-}
-PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
-
-# name -> (model_type, extra config, how the saved folder is edited, expected tie, expected scale)
-FAMILIES = {
-    "t5": ("t5", {"feed_forward_proj": "relu"}, None, True, True),
-    "t5-legacy": ("t5", {"feed_forward_proj": "relu"}, "legacy", True, True),
-    "flan-t5": ("t5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
-    "mt5": ("mt5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
-    "umt5": ("umt5", {"feed_forward_proj": "gated-gelu"}, "untie", False, False),
-    "umt5-tied": ("umt5", {"feed_forward_proj": "gated-gelu"}, None, True, True),
-}
-
-
-def _transformers_class(model_type, suffix):
-    return getattr(transformers, PREFIX[model_type] + suffix)
-
-
-def _edit_like_the_hub(folder: Path, how: str, seed: int) -> None:
-    """Rewrite a transformers-5-saved folder the way older Hub checkpoints are stored."""
-    tensors = load_file(folder / "model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("scale_decoder_outputs", None)
-    if how == "untie":  # FLAN-T5 / mT5 / UMT5: a separate lm_head, "tie_word_embeddings": false
-        generator = torch.Generator().manual_seed(seed)
-        tensors["lm_head.weight"] = torch.randn(tensors["shared.weight"].shape, generator=generator)
-        config["tie_word_embeddings"] = False
-    elif how == "legacy":  # original T5: old class name, no tie key (tied), every alias stored, an unused bias table
-        config.pop("tie_word_embeddings", None)
-        config["architectures"] = ["T5WithLMHeadModel"]
-        for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
-            tensors[alias] = tensors["shared.weight"].clone()
-        bias = tensors["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        tensors["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = torch.randn_like(bias)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-def make_checkpoint(folder: Path, family: str, seed: int = 0, suffix: str = "ForConditionalGeneration") -> Path:
-    model_type, extra, how, _, _ = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = getattr(transformers, PREFIX[model_type] + "Config")(**TINY, **extra)
-    _transformers_class(model_type, suffix)(config).save_pretrained(folder)
-    if how:
-        _edit_like_the_hub(folder, how, seed)
-    return folder
-
-
-def padded_batch(vocab_size, seed=1):
-    """Right-padded rows of different lengths (independent of the batch the conversion checks itself with)."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(2, vocab_size, (4, 11), generator=generator)
-    attention_mask = (torch.arange(11)[None] < torch.tensor([11, 6, 3, 9])[:, None]).long()
-    decoder_input_ids = torch.randint(2, vocab_size, (4, 6), generator=generator)
-    decoder_input_ids[:, 0] = 0
-    decoder_attention_mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 5])[:, None]).long()
-    return {
-        "input_ids": input_ids * attention_mask,
-        "attention_mask": attention_mask,
-        "decoder_input_ids": decoder_input_ids * decoder_attention_mask,
-        "decoder_attention_mask": decoder_attention_mask,
-    }
-
-
-def masked_relative_error(actual, expected, mask):
-    keep = mask.bool()
-    actual, expected = actual[keep].double(), expected[keep].double()
-    return ((actual - expected).norm() / expected.norm()).item()
-
 
 def reference_model(folder: Path, model_type: str, suffix: str, scale: bool):
     """transformers' own class on the source; for UMT5 with the decoder-output scaling the raw config asks for
     (transformers 5 forces it on for every UMT5 checkpoint, see fat5/conversion/convert.py)."""
-    model = _transformers_class(model_type, suffix).from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers_class(model_type, suffix).from_pretrained(folder, dtype=torch.float32).eval()
     if model_type == "umt5":
         model.config.tie_word_embeddings = scale
     return model
@@ -112,6 +33,15 @@ def reference_model(folder: Path, model_type: str, suffix: str, scale: bool):
 def leftovers(out: Path) -> list[str]:
     """Anything the conversion may have left: `out` itself or a temporary folder beside it."""
     return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def test_relative_error_is_a_norm_ratio_over_the_masked_positions():
+    """The measure the conversion check, the tests and the benchmarks share, on a hand-computed case."""
+    expected = torch.tensor([[[3.0, 4.0]], [[100.0, 0.0]]])
+    actual = torch.tensor([[[3.0, 4.5]], [[0.0, 0.0]]])
+    assert relative_error(actual, expected, torch.tensor([[1], [0]])) == pytest.approx(0.5 / 5)
+    assert relative_error(actual, expected) == pytest.approx((0.5**2 + 100**2) ** 0.5 / (5**2 + 100**2) ** 0.5)
+    assert relative_error(torch.full_like(expected, float("nan")), expected) == float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -138,26 +68,24 @@ def test_convert_matches_transformers(converted, family):
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert not list(out.glob("*.bin"))
 
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     reference = reference_model(source, model_type, "ForConditionalGeneration", scale)
     fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         expected, actual = reference(**batch), fat5_model(**batch)
-    assert masked_relative_error(actual.logits, expected.logits, batch["decoder_attention_mask"]) <= 1e-5
-    assert (
-        masked_relative_error(
-            actual.encoder_last_hidden_state, expected.encoder_last_hidden_state, batch["attention_mask"]
-        )
-        <= 1e-5
+    assert relative_error(actual.logits, expected.logits, batch["decoder_attention_mask"]) <= 1e-5
+    encoder_error = relative_error(
+        actual.encoder_last_hidden_state, expected.encoder_last_hidden_state, batch["attention_mask"]
     )
+    assert encoder_error <= 1e-5
 
     encoder_inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
-    reference_encoder = _transformers_class(model_type, "EncoderModel").from_pretrained(source, dtype=torch.float32)
+    reference_encoder = transformers_class(model_type, "EncoderModel").from_pretrained(source, dtype=torch.float32)
     fat5_encoder = FAT5EncoderModel.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         expected_states = reference_encoder.eval()(**encoder_inputs).last_hidden_state
         actual_states = fat5_encoder.eval()(**encoder_inputs).last_hidden_state
-    assert masked_relative_error(actual_states, expected_states, batch["attention_mask"]) <= 1e-5
+    assert relative_error(actual_states, expected_states, batch["attention_mask"]) <= 1e-5
 
 
 def test_untied_umt5_is_not_scaled(converted):
@@ -165,20 +93,20 @@ def test_untied_umt5_is_not_scaled(converted):
     checked against lm_head applied by hand to transformers' own final decoder states."""
     source, out, result = converted["umt5"]
     assert any("UMT5" in note for note in result.notes)
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     reference = transformers.UMT5ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         states = reference(**batch, output_hidden_states=True).decoder_hidden_states[-1]
         expected = states @ load_file(source / "model.safetensors")["lm_head.weight"].T
         actual = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()(**batch).logits
-    assert masked_relative_error(actual, expected, batch["decoder_attention_mask"]) <= 1e-5
+    assert relative_error(actual, expected, batch["decoder_attention_mask"]) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["t5", "flan-t5", "mt5", "umt5"])
 def test_generation_matches_transformers(converted, family):
     model_type, _, _, _, scale = FAMILIES[family]
     source, out, _ = converted[family]
-    batch = padded_batch(TINY["vocab_size"], seed=3)
+    batch = padded_seq2seq_batch(TINY["vocab_size"], seed=3)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "max_new_tokens": 6}
     reference = reference_model(source, model_type, "ForConditionalGeneration", scale)
     fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
@@ -195,18 +123,18 @@ def test_encoder_only_checkpoint(tmp_path, family):
     result = convert(source, tmp_path / "out")
     assert result.target_architecture == "FAT5EncoderModel"
     assert result.verification["encoder_relative_error"] <= 1e-5
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     with torch.no_grad():
-        reference = _transformers_class(model_type, "EncoderModel").from_pretrained(source).eval()
+        reference = transformers_class(model_type, "EncoderModel").from_pretrained(source).eval()
         expected = reference(**inputs).last_hidden_state
         actual = FAT5EncoderModel.from_pretrained(tmp_path / "out").eval()(**inputs).last_hidden_state
-    assert masked_relative_error(actual, expected, batch["attention_mask"]) <= 1e-5
+    assert relative_error(actual, expected, batch["attention_mask"]) <= 1e-5
 
 
 def test_save_load_round_trip(converted, tmp_path):
     _, out, _ = converted["flan-t5"]
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     model = FAT5ForConditionalGeneration.from_pretrained(out).eval()
     model.save_pretrained(tmp_path / "again")
     again = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "again").eval()
@@ -229,14 +157,11 @@ def test_export_hf_round_trip(converted, tmp_path, family):
     for name, tensor in exported.items():
         assert torch.equal(tensor, original[name]), name
     assert ("lm_head.weight" in exported) == (not tie)
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     back = reference_model(tmp_path / "back", model_type, "ForConditionalGeneration", scale)
     fat5_model = FAT5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
-        assert (
-            masked_relative_error(back(**batch).logits, fat5_model(**batch).logits, batch["decoder_attention_mask"])
-            <= 1e-5
-        )
+        assert relative_error(back(**batch).logits, fat5_model(**batch).logits, batch["decoder_attention_mask"]) <= 1e-5
 
 
 def test_export_hf_needs_t5_position_encoding(tmp_path):

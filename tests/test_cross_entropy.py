@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,10 +36,6 @@ def _truth_grad(logits, labels, grad_ce=1.0, grad_z=1.0, **options):
     leaf = logits.detach().double().requires_grad_()
     ce, z = _truth(leaf, labels, **options)
     return torch.autograd.grad(grad_ce * ce + grad_z * z, leaf)[0]
-
-
-def _relative_error(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def _run(logits, labels, grad_ce=1.0, grad_z=1.0, **options):
@@ -101,7 +98,7 @@ def test_launch_configs_compute_the_same_function(config):
     assert abs(losses[0].item() - expected_ce.item()) <= 1e-5 * expected_ce.item()
     assert abs(losses[1].item() - expected_z.item()) <= 1e-5 * expected_z.item()
     expected_grad = _truth_grad(logits, labels, label_smoothing=0.1, z_loss=1e-3)
-    assert _relative_error(grad, expected_grad) < 1e-4
+    assert relative_error(grad, expected_grad) < 1e-4
 
 
 @pytest.mark.parametrize("vocab_size", [2500, 3072])  # a partial last block, and blocks that divide the vocabulary
@@ -127,7 +124,7 @@ def test_masked_vocabulary_and_labels_on_block_edges(vocab_size):
         assert abs(losses[0].item() - expected_ce.item()) <= 1e-5 * expected_ce.item()
         assert abs(losses[1].item() - expected_z.item()) <= 1e-5 * expected_z.item()
         assert torch.isfinite(grad).all() and torch.equal(grad[5], torch.zeros(vocab_size))
-        assert _relative_error(grad, expected_grad) < 1e-5
+        assert relative_error(grad, expected_grad) < 1e-5
 
 
 def test_matches_torch_cross_entropy_with_label_smoothing():
@@ -140,7 +137,7 @@ def test_matches_torch_cross_entropy_with_label_smoothing():
         expected = F.cross_entropy(leaf.reshape(-1, 333), labels.reshape(-1), label_smoothing=label_smoothing)
         assert abs(ce.item() - expected.item()) <= 1e-4 * expected.item()
         assert z.item() == 0.0
-        assert _relative_error(grad, torch.autograd.grad(expected, leaf)[0]) < 1e-4
+        assert relative_error(grad, torch.autograd.grad(expected, leaf)[0]) < 1e-4
 
 
 @pytest.mark.parametrize("grad_ce, grad_z", [(0.5, 2.0), (3.0, 0.0), (0.0, 1.0), (1.0, 1.0)])
@@ -150,7 +147,7 @@ def test_arbitrary_upstream_gradients(grad_ce, grad_z):
     labels = _labels(8, 500)
     options = {"label_smoothing": 0.1, "z_loss": 1e-2}
     _, _, grad = _run(logits, labels, grad_ce, grad_z, **options)
-    assert _relative_error(grad, _truth_grad(logits, labels, grad_ce, grad_z, **options)) < 1e-4
+    assert relative_error(grad, _truth_grad(logits, labels, grad_ce, grad_z, **options)) < 1e-4
 
 
 def test_only_the_ce_output_used():
@@ -159,7 +156,7 @@ def test_only_the_ce_output_used():
     leaf = logits.clone().requires_grad_()
     ce, _ = cross_entropy(leaf * 1.0, labels, z_loss=1e-1, backend="triton")
     grad = torch.autograd.grad(ce, leaf)[0]
-    assert _relative_error(grad, _truth_grad(logits, labels, 1.0, 0.0, z_loss=1e-1)) < 1e-4
+    assert relative_error(grad, _truth_grad(logits, labels, 1.0, 0.0, z_loss=1e-1)) < 1e-4
 
 
 @pytest.mark.parametrize("num_items", [7, torch.tensor(7)])
@@ -171,7 +168,7 @@ def test_num_items_in_batch(num_items):
     expected_ce, expected_z = _truth(logits, labels, z_loss=1e-3, num_items=7)
     assert abs(ce.item() - expected_ce.item()) <= 1e-5 * expected_ce.item()
     assert abs(z.item() - expected_z.item()) <= 1e-5 * expected_z.item()
-    assert _relative_error(grad, _truth_grad(logits, labels, z_loss=1e-3, num_items=7)) < 1e-4
+    assert relative_error(grad, _truth_grad(logits, labels, z_loss=1e-3, num_items=7)) < 1e-4
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -190,7 +187,7 @@ def test_custom_ignore_index():
     labels = torch.tensor([3, 0, 0, 49, 7])
     ce, _, grad = _run(logits, labels, ignore_index=0)
     assert abs(ce.item() - _truth(logits, labels, ignore_index=0)[0].item()) < 1e-5
-    assert _relative_error(grad, _truth_grad(logits, labels, ignore_index=0)) < 1e-4
+    assert relative_error(grad, _truth_grad(logits, labels, ignore_index=0)) < 1e-4
 
 
 def test_huge_logits_do_not_overflow():
@@ -205,7 +202,7 @@ def test_huge_logits_do_not_overflow():
     logits[0, 17] = logits[1, 17] = logits[3, 9000] = 5e4  # with z-loss: lse**2 must stay in fp32 range
     ce, z, grad = _run(logits, labels, z_loss=1e-4)
     assert abs(z.item() - _truth(logits, labels, z_loss=1e-4)[1].item()) <= 1e-4 * z.item()
-    assert _relative_error(grad, _truth_grad(logits, labels, z_loss=1e-4)) < 1e-4
+    assert relative_error(grad, _truth_grad(logits, labels, z_loss=1e-4)) < 1e-4
     half = (torch.randn(3, 2000) * 2e4).clamp(-6e4, 6e4).to(torch.float16)
     half_labels = torch.tensor([1, 2, 3])
     ce, _, grad = _run(half, half_labels)
@@ -223,7 +220,7 @@ def test_half_logits_and_leading_dimensions():
     assert abs(ce.item() - expected_ce.item()) <= 1e-4 * expected_ce.item()
     assert abs(z.item() - expected_z.item()) <= 1e-4 * expected_z.item()
     assert grad.shape == logits.shape and grad.dtype == torch.float16
-    assert _relative_error(grad, _truth_grad(logits, labels, z_loss=1e-3, label_smoothing=0.05)) < 2e-3
+    assert relative_error(grad, _truth_grad(logits, labels, z_loss=1e-3, label_smoothing=0.05)) < 2e-3
 
 
 def test_inplace_backward_writes_the_gradient_into_logits():
@@ -236,7 +233,7 @@ def test_inplace_backward_writes_the_gradient_into_logits():
     assert not torch.equal(logits.detach(), expected_logits)  # the buffer now holds the gradient
     (0.5 * (ce + z)).backward()
     expected_grad = hidden.T.double() @ _truth_grad(expected_logits, labels, 0.5, 0.5, z_loss=1e-2)
-    assert _relative_error(weight.grad, expected_grad) < 1e-4
+    assert relative_error(weight.grad, expected_grad) < 1e-4
 
 
 def test_no_grad_forward_and_strided_logits():
@@ -303,7 +300,7 @@ def test_compiles_without_graph_breaks(backend, compiler):
     truth_grads = torch.autograd.grad(truth_value, truth_leaves)
     assert abs(value.item() - truth_value.item()) <= 1e-5 * truth_value.item()
     for grad, truth_grad in zip(grads, truth_grads):
-        assert _relative_error(grad, truth_grad) < 1e-4
+        assert relative_error(grad, truth_grad) < 1e-4
 
 
 def test_custom_op_passes_opcheck():
@@ -338,7 +335,7 @@ def test_gpu_bf16_real_sizes(rows, vocab_size, inplace_backward):
     reference_leaf = logits.float().requires_grad_()
     reference_ce, reference_z = cross_entropy_reference(reference_leaf, labels, **options)
     expected_grad = torch.autograd.grad(0.5 * reference_ce + 0.5 * reference_z, reference_leaf)[0]
-    assert _relative_error(grad, expected_grad) < 1e-2
+    assert relative_error(grad, expected_grad) < 1e-2
 
 
 def test_modules_import_and_fall_back_without_triton():

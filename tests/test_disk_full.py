@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_conversion import make_checkpoint
+from helpers import TINY_PRETRAIN, make_checkpoint
 
 
 @pytest.fixture
@@ -51,9 +51,7 @@ def test_convert_on_a_full_disk(small_disk, tmp_path):
 
 def test_pretrain_on_a_full_disk(small_disk, tmp_path):
     config = {
-        "model": {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_heads": 4, "num_layers": 1},
-        "tokenizer": {"vocab_size": 300, "num_sentinels": 8},
-        "data": {"max_input_length": 32, "max_target_length": 16, "tokens_per_batch": 128, "eval_fraction": 0.0},
+        **TINY_PRETRAIN,
         "training": {"max_steps": 2, "save_steps": 2, "eval_strategy": "no", "disable_tqdm": True,
                      "report_to": "none"},
     }

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from accelerate.data_loader import prepare_data_loader
+from helpers import DATA, REPO, ROWS, SMALL_PRETRAIN
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSeq2SeqLM
@@ -26,9 +27,7 @@ from fat5.trainer.collator import UL2DataCollator
 from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
 from fat5.trainer.tokenizer import load_tokenizer, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data" / "shakespeare_speeches.jsonl"
-DOCUMENTS = [json.loads(line)["document"] for line in DATA.read_text(encoding="utf-8").splitlines()]
+DOCUMENTS = [row["document"] for row in ROWS]
 STEPS = 4
 
 
@@ -78,7 +77,7 @@ def pretrain_config(tokenizer_dir, accumulation: int, device: str = "cpu") -> di
                 "disable_tqdm": True, "dataloader_num_workers": 0}
     training.update({"use_cpu": True} if device == "cpu" else {"bf16": True})
     return {
-        "model": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_heads": 4, "num_layers": 1},
+        "model": SMALL_PRETRAIN["model"],
         "tokenizer": {"path": str(tokenizer_dir)},
         "data": {"path": str(DATA), "text_column": "document", "max_input_length": 64, "max_target_length": 32,
                  "tokens_per_batch": 256},
@@ -151,6 +150,17 @@ def largest_relative_difference(reference: dict[int, dict], other: dict[int, dic
     return max(abs(other[step]["loss"] - reference[step]["loss"]) / abs(reference[step]["loss"]) for step in reference)
 
 
+def assert_same_final_model(single: Path, double: Path) -> None:
+    """The two-process run saved a FAT5 model with the one-process run's weights (float32 sums in another order, far
+    below 1e-4 after 4 steps)."""
+    assert isinstance(AutoModelForSeq2SeqLM.from_pretrained(double), FAT5ForConditionalGeneration)
+    weights_one = load_file(single / "model.safetensors")
+    weights_two = load_file(double / "model.safetensors")
+    assert weights_one.keys() == weights_two.keys()
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir, tmp_path):
     """Rank r of 2 takes batches r, r + 2, ... (see above), so a 2-process step sees the two batches that one process
     accumulates in a step of gradient_accumulation_steps 2: with the loss a sum over `num_items_in_batch` counted
@@ -171,13 +181,7 @@ def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir
         # packed batches differ in size: the job's padding share needs both ranks' tokens and slots
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(double)
-    assert isinstance(model, FAT5ForConditionalGeneration)
-    weights_one = load_file(single / "model.safetensors")
-    weights_two = load_file(double / "model.safetensors")
-    assert weights_one.keys() == weights_two.keys()
-    for name, value in weights_one.items():
-        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_final_model(single, double)
     assert not (double / ".final-model.tmp").exists()
 
 
@@ -196,13 +200,7 @@ def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model
         # padded batches differ in width: the job's padding share needs both ranks' tokens and slots
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(double)
-    assert isinstance(model, FAT5ForConditionalGeneration)
-    weights_one = load_file(single / "model.safetensors")
-    weights_two = load_file(double / "model.safetensors")
-    assert weights_one.keys() == weights_two.keys()
-    for name, value in weights_one.items():
-        torch.testing.assert_close(weights_two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_final_model(single, double)
 
 
 # ----------------------------------------------------------------------------------------------- two GPUs

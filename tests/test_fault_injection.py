@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY_PRETRAIN
 
 CONFIG = {
-    "model": {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_heads": 4, "num_layers": 1},
-    "tokenizer": {"vocab_size": 300, "num_sentinels": 8},
-    "data": {"max_input_length": 32, "max_target_length": 16, "tokens_per_batch": 128, "eval_fraction": 0.0},
+    **TINY_PRETRAIN,
     "training": {"max_steps": 6, "logging_steps": 1, "save_steps": 2, "save_total_limit": 2, "eval_strategy": "no",
                  "warmup_steps": 0, "learning_rate": 1.0e-3, "disable_tqdm": True, "report_to": "none"},
 }

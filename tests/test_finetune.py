@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA, REPO, ROWS
+from helpers import DATA, FINETUNE_QUIET, REPO, ROWS, seq2seq_config
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EvalPrediction
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -36,9 +36,6 @@ from fat5.trainer.metrics import (
     token_classification_metric,
 )
 
-QUIET = {"disable_tqdm": True, "report_to": "none", "save_strategy": "no", "use_cpu": True}
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -47,23 +44,6 @@ def relu_model(tmp_path_factory) -> Path:
     return make_tiny_model(
         tmp_path_factory.mktemp("relu") / "model", [row["document"] for row in ROWS], feed_forward_proj="relu"
     )
-
-
-def seq2seq_config(model, output_dir, lora=None, validation=True, **training) -> dict:
-    return {
-        "task": "seq2seq",
-        "model": str(model),
-        "output_dir": str(output_dir),
-        "data": {
-            "train_file": str(DATA),
-            "validation_fraction": 0.25 if validation else None,
-            "text_column": "document",
-            "target_column": "summary",
-            "max_target_length": 24,
-        },
-        "lora": lora,
-        "training": {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 16, **QUIET, **training},
-    }
 
 
 def logged_losses(log_history) -> list[float]:
@@ -296,7 +276,7 @@ def head_config(task, model, output_dir, lora=None, **training) -> dict:
         "data": {"train_file": str(DATA), "validation_fraction": 0.25, "text_column": columns[0],
                  "target_column": columns[1]},
         "lora": lora,
-        "training": {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 16, **QUIET, **training},
+        "training": {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 16, **FINETUNE_QUIET, **training},
     }
 
 
@@ -530,7 +510,7 @@ def test_float_targets_train_a_regression_head(tiny_model, tmp_path):
     path.write_text("".join(json.dumps({"text": r["document"], "score": len(r["words"]) / 10}) + "\n" for r in ROWS))
     config = {"task": "sequence_classification", "model": str(tiny_model), "output_dir": str(tmp_path / "run"),
               "data": {"train_file": str(path), "validation_fraction": 0.25, "target_column": "score"},
-              "training": {**QUIET, "max_steps": 2}}
+              "training": {**FINETUNE_QUIET, "max_steps": 2}}
     result = finetune(config)
     saved = json.loads((Path(result["model_dir"]) / "config.json").read_text())
     assert (saved["num_labels"] if "num_labels" in saved else len(saved["id2label"])) == 1

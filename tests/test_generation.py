@@ -8,8 +8,7 @@ a deep one or none.
 
 import pytest
 import torch
-from test_hf_api import pair
-from test_modeling import TINY, padded_batch, relative_error
+from helpers import TINY, hf_and_fat5, padded_batch, relative_error
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,7 +20,7 @@ SCORED = {"output_scores": True, "return_dict_in_generate": True}
 @pytest.fixture(scope="module")
 def models():
     """T5 v1.1 (gated, untied head) and the FAT5 with its weights; generate never changes a model's weights."""
-    return pair("t5v1.1")
+    return hf_and_fat5("t5v1.1")
 
 
 def generate_both(models, seed=5, **arguments):
@@ -185,7 +184,7 @@ def test_bfloat16_generation_is_t5s_up_to_rounding(family, settings):
     row T5's best two are one bf16 step apart and FAT5 picks the other; umt5 at seed 3 ties exactly in T5's logits).
     So the truth is T5 in bf16 teacher-forced on FAT5's own output: FAT5's scores must be its logits within bf16
     tolerance, and each token FAT5 picks must be T5's best or within two bf16 steps of it."""
-    hf, model = pair(family, seed=4)
+    hf, model = hf_and_fat5(family, seed=4)
     hf.to(torch.bfloat16)
     model.to(torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -12,38 +12,15 @@ import inspect
 import pytest
 import torch
 import transformers
-from test_modeling import TINY, fat5_from_hf, make_hf, padded_batch, relative_error
+from helpers import TINY, hf_and_fat5, padded_batch, relative_error, word_tokenizer
 from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
 
 
-def pair(family="t5", seed=3):
-    """A transformers T5 and the FAT5 with its weights, both in eval mode."""
-    hf = make_hf(family, seed=seed)
-    if family != "t5":
-        # transformers 5's T5Config always says tied; the head make_hf unties stays untied only if the config says so
-        hf.config.tie_word_embeddings = False
-    return hf, fat5_from_hf(hf, family)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return word_tokenizer()
-
-
-def word_tokenizer():
-    """A word-level tokenizer with T5's special ids (pad 0, eos 1, unk 2) over the tiny vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    words = ["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(3, TINY["vocab_size"])]
-    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    backend.decoder = decoders.WordPiece()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    )
 
 
 TEXTS = ["w5 w17 w33 w8 w61", "w40 w4", "w90 w12 w12 w70"]
@@ -59,7 +36,7 @@ GREEDY = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
 )
 def test_resize_token_embeddings_matches_transformers(family, new_size, mean_resizing):
     """Growing (new rows drawn as T5 draws them, from the same seed) or shrinking, tied or untied head."""
-    hf, model = pair(family)
+    hf, model = hf_and_fat5(family)
     for resized in (hf, model):
         torch.manual_seed(0)
         resized.resize_token_embeddings(new_size, mean_resizing=mean_resizing)
@@ -86,7 +63,7 @@ def test_resize_token_embeddings_matches_transformers(family, new_size, mean_res
 
 
 def test_tokenize_generate_decode_matches_transformers(tokenizer):
-    hf, model = pair("t5v1.1")
+    hf, model = hf_and_fat5("t5v1.1")
     batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
     settings = {"max_new_tokens": 5, "num_beams": 2}
     expected = tokenizer.batch_decode(hf.generate(**batch, **settings), skip_special_tokens=True)
@@ -124,7 +101,7 @@ def assert_same_outputs(actual, expected):
 
 @pytest.mark.parametrize("output_hidden_states", [False, True])
 def test_return_dict_false_gives_t5s_tuple(output_hidden_states):
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "return_dict": False,
                  "output_hidden_states": output_hidden_states}
@@ -140,7 +117,7 @@ def test_return_dict_false_gives_t5s_tuple(output_hidden_states):
 def test_config_output_flags_are_the_defaults():
     """config.output_hidden_states and config.return_dict act as T5's arguments do. (T5 reads the first from copies
     of the config made at construction and fails on the second, so the truth here is T5 given the arguments.)"""
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     model.config.output_hidden_states = True
@@ -161,7 +138,7 @@ def test_config_output_flags_are_the_defaults():
 def test_attention_probabilities_are_t5s_eager_ones():
     """T5 (eager) returns the attention probabilities; FAT5 forms them with its materialising attention for the call
     that asks, however it asks (more in test_t5_parity.py)."""
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     # built eager rather than switched: transformers 5.17's T5 stacks keep copies of the config that a switch misses
     eager_config = copy.deepcopy(hf.config)
     eager_config._attn_implementation = "eager"
@@ -184,7 +161,7 @@ def test_attention_probabilities_are_t5s_eager_ones():
 
 def test_trainer_predictions_are_t5s(tmp_path):
     """The Trainer's evaluation keeps what T5 returns; the loss's parts (ce_loss, z_loss) stay out of predictions."""
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     dataset = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(input_ids, attention_mask, labels)]
     results = []
@@ -204,7 +181,7 @@ def test_trainer_predictions_are_t5s(tmp_path):
 
 
 def test_embeddings_instead_of_ids_match_transformers():
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     with torch.no_grad():
         inputs_embeds = hf.shared(input_ids) * 0.9  # not what the ids would give, so the embeddings must be used
@@ -230,7 +207,7 @@ def test_embeddings_instead_of_ids_match_transformers():
 
 
 def test_seq2seq_collator_and_ignored_labels_match_transformers(tokenizer):
-    hf, model = pair("t5v1.1")
+    hf, model = hf_and_fat5("t5v1.1")
     features = [{"input_ids": tokenizer(text).input_ids, "labels": tokenizer(text).input_ids[::-1][:4]} for text in TEXTS]
     batches = [transformers.DataCollatorForSeq2Seq(tokenizer, model=m)(copy.deepcopy(features)) for m in (hf, model)]
     expected_batch, batch = batches
@@ -259,7 +236,7 @@ def test_seq2seq_collator_and_ignored_labels_match_transformers(tokenizer):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """The same weights saved by transformers' T5 and by FAT5."""
-    hf, model = pair("t5v1.1")
+    hf, model = hf_and_fat5("t5v1.1")
     folders = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("fat5")
     hf.save_pretrained(folders[0])
     model.save_pretrained(folders[1])
@@ -311,7 +288,7 @@ def test_bfloat16_loading_matches_transformers(saved, argument):
 def test_gradient_checkpointing_gives_transformers_gradients(family, checkpointing):
     """Reentrant checkpointing too: the later blocks' gradient for the first block's shared bias table must cross
     the checkpoint boundary."""
-    hf, model = pair(family)
+    hf, model = hf_and_fat5(family)
     input_ids, attention_mask, labels = padded_batch()
 
     def gradients(trained, checkpointing_kwargs=False):
@@ -348,7 +325,7 @@ def test_gradient_checkpointing_gives_transformers_gradients(family, checkpointi
     ids=lambda settings: ",".join(settings),
 )
 def test_generate_matches_transformers(settings):
-    hf, model = pair("t5v1.1")
+    hf, model = hf_and_fat5("t5v1.1")
     input_ids, attention_mask, _ = padded_batch(seed=4)
     torch.manual_seed(5)  # sampling draws the same numbers for both
     expected = hf.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
@@ -378,7 +355,7 @@ def test_generate_matches_transformers(settings):
 
 
 def test_accessors_and_set_input_embeddings_match_transformers():
-    hf, model = pair()
+    hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     assert model.get_input_embeddings() is model.shared and model.get_output_embeddings() is model.lm_head
     assert torch.equal(model.get_input_embeddings().weight, hf.get_input_embeddings().weight)
@@ -419,7 +396,7 @@ def test_head_masks_are_refused_by_name(name):
     """transformers 5's T5 no longer takes head masks (it drops them unread into **kwargs); FAT5 refuses them rather
     than ignore a mask its caller means to apply."""
     assert name not in inspect.signature(T5ForConditionalGeneration.forward).parameters
-    _, model = pair()
+    _, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
     mask = torch.ones(TINY["num_layers"], TINY["num_heads"])
     with pytest.raises(ValueError, match=f"{name} is not supported: FAT5's fused attention cannot mask"):

@@ -7,14 +7,13 @@ bundle's own validation), and compare against the in-package model.
 import ast
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import BLOCK_FAT5, TINY, make_checkpoint, padded_seq2seq_batch, run_isolated
 from huggingface_hub import ModelCard
-from test_conversion import TINY, make_checkpoint, padded_batch
 
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
@@ -33,23 +32,6 @@ REQUIRED_AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_fat5.FAT5ForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_fat5.FAT5ForQuestionAnswering",
 }
-
-
-def run_isolated(script: str, *args, tmp: Path) -> subprocess.CompletedProcess:
-    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    return subprocess.run(
-        [sys.executable, "-I", "-c", script, *map(str, args)],
-        env=env,
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +109,7 @@ def test_flat_code_is_self_contained(bundled):
                     assert set(targets) <= siblings, (path.name, node.lineno, targets)
 
 
-LOAD_WITHOUT_FAT5 = r"""
-import importlib.abc, sys
-
-class BlockFat5(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "fat5" or name.startswith("fat5."):
-            raise ImportError(f"fat5 is blocked in this process ({name})")
-        return None
-
-sys.meta_path.insert(0, BlockFat5())
+LOAD_WITHOUT_FAT5 = BLOCK_FAT5 + r"""
 try:
     import fat5
 except ImportError:
@@ -165,7 +138,7 @@ torch.save(results, out_file)
 
 def test_bundle_loads_without_fat5(bundled, tmp_path):
     out, _ = bundled
-    batch = padded_batch(TINY["vocab_size"], seed=5)
+    batch = padded_seq2seq_batch(TINY["vocab_size"], seed=5)
     torch.save(batch, tmp_path / "batch.pt")
     completed = run_isolated(LOAD_WITHOUT_FAT5, out, tmp_path / "batch.pt", tmp_path / "out.pt", tmp=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -248,7 +221,7 @@ def test_sharded_bundle(converted_dir, tmp_path):
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and shards <= set(result.files)
-    batch = padded_batch(TINY["vocab_size"])
+    batch = padded_seq2seq_batch(TINY["vocab_size"])
     with torch.no_grad():
         expected = FAT5ForConditionalGeneration.from_pretrained(converted_dir).eval()(**batch).logits
         actual = FAT5ForConditionalGeneration.from_pretrained(tmp_path / "sharded").eval()(**batch).logits
@@ -430,16 +403,7 @@ def test_bundle_command_line(converted_dir, tmp_path, capsys):
     assert str(tmp_path / "out") in capsys.readouterr().out
 
 
-CUDA_REMOTE_CODE = r"""
-import importlib.abc, sys
-
-class BlockFat5(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "fat5" or name.startswith("fat5."):
-            raise ImportError(f"fat5 is blocked in this process ({name})")
-        return None
-
-sys.meta_path.insert(0, BlockFat5())
+CUDA_REMOTE_CODE = BLOCK_FAT5 + r"""
 import torch, transformers
 
 folder, batch_file, out_file = sys.argv[1:4]

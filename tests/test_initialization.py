@@ -336,8 +336,8 @@ def test_a_task_head_loaded_from_a_seq2seq_checkpoint_draws_only_its_head(tmp_pa
 def test_fat5_convert_never_draws_a_loaded_weight(tmp_path, monkeypatch, family):
     """`fat5 convert` under another seed with poisoned draws (the model it builds is drawn, then every weight is
     loaded over the draw): the written weights are the source's bit for bit, and so are those loaded back."""
+    from helpers import make_checkpoint
     from safetensors.torch import load_file
-    from test_conversion import make_checkpoint
 
     from fat5.cli import main
 

@@ -2,86 +2,14 @@
 
 import pytest
 import torch
+from helpers import TINY, fat5_from_hf, make_hf, padded_batch, relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (
-    DynamicCache,
-    EncoderDecoderCache,
-    T5Config,
-    T5EncoderModel,
-    T5ForConditionalGeneration,
-    UMT5Config,
-    UMT5ForConditionalGeneration,
-)
+from transformers import DynamicCache, EncoderDecoderCache, T5Config, T5EncoderModel
 
-from fat5 import (
-    FAT5Config,
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-)
+import fat5
+from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration, FAT5Model
 from fat5.conversion.convert import _make_umt5_decoder_causal
-
-TINY = dict(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-            decoder_start_token_id=0)
-
-
-def relative_error(actual, expected):
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
-
-def fat5_from_hf(hf_model, family):
-    """Copy an HF model's weights into a FAT5 model by name (the names are T5's on both sides)."""
-    hf_config = hf_model.config
-    config = FAT5Config(
-        **TINY,
-        feed_forward_proj=hf_config.feed_forward_proj,
-        tie_word_embeddings=family == "t5",
-        # what the installed transformers does: T5 reads `scale_decoder_outputs`, UMT5 scales when tied (always, in 5.x)
-        scale_decoder_outputs=getattr(hf_config, "scale_decoder_outputs", hf_config.tie_word_embeddings),
-        position_bias_per_layer=family == "umt5",
-        attention_backend="reference",
-        initialization="transformers",
-    )
-    model = FAT5ForConditionalGeneration(config).eval()
-    missing, unexpected = model.load_state_dict(hf_model.state_dict(), strict=False)
-    assert not [k for k in missing if "embed_tokens" not in k], missing
-    assert not [k for k in unexpected if "embed_tokens" not in k], unexpected
-    return model
-
-
-def make_hf(family, seed=0):
-    torch.manual_seed(seed)
-    if family == "t5":
-        hf = T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="relu"))
-    elif family == "t5v1.1":
-        hf = T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
-    else:
-        hf = UMT5ForConditionalGeneration(UMT5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
-    if family != "t5":
-        # transformers 5 ties lm_head to the embedding whatever the config says; untie it, as in a real v1.1 checkpoint
-        hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight) * 0.5)
-    if family == "umt5":
-        # some transformers 5 releases (5.17) leave UMT5's decoder self-attention non-causal; conversion fixes the
-        # reference the same way before it compares
-        _make_umt5_decoder_causal(hf, [])
-    return hf.eval()
-
-
-def padded_batch(seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(2, TINY["vocab_size"], (3, 11), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, 7:] = 0
-    attention_mask[2, 3:] = 0
-    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
-    labels = torch.randint(2, TINY["vocab_size"], (3, 6), generator=generator)
-    labels[2, 4:] = -100
-    return input_ids, attention_mask, labels
 
 
 @pytest.mark.parametrize("family", ["t5", "t5v1.1", "umt5"])
@@ -523,22 +451,15 @@ def test_auto_classes_round_trip(tmp_path):
 def test_task_heads_through_the_auto_classes(tmp_path):
     """`import fat5` registers the heads: each auto class builds its FAT5 head on a saved seq2seq folder (with or
     without trust_remote_code), with the folder's encoder; the QA loss is the mean of the start and end losses."""
-    from transformers import (
-        AutoModelForQuestionAnswering,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
+    import transformers
 
     model = FAT5ForConditionalGeneration(FAT5Config(**TINY, attention_backend="reference")).eval()
     model.save_pretrained(tmp_path)
     input_ids, attention_mask, _ = padded_batch()
     with torch.no_grad():
         expected = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    for auto_class, head_class in (
-        (AutoModelForSequenceClassification, FAT5ForSequenceClassification),
-        (AutoModelForTokenClassification, FAT5ForTokenClassification),
-        (AutoModelForQuestionAnswering, FAT5ForQuestionAnswering),
-    ):
+    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering"):
+        auto_class, head_class = getattr(transformers, f"AutoModelFor{task}"), getattr(fat5, f"FAT5For{task}")
         for trust_remote_code in (False, True):
             head = auto_class.from_pretrained(tmp_path, trust_remote_code=trust_remote_code).eval()
             assert type(head) is head_class and head.get_input_embeddings() is head.get_encoder().embed_tokens

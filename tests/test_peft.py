@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
+from helpers import fat5_from_hf, make_hf, padded_batch
 from peft import IA3Config, LoraConfig, PrefixTuningConfig, get_peft_model
-from test_modeling import fat5_from_hf, make_hf, padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,17 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import SMALL_PRETRAIN
 
 from fat5.errors import FAT5Error
 from fat5.trainer.pretrain import load_config, pretrain
-
-SMALL = {
-    "model": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_heads": 4, "num_layers": 1},
-    "tokenizer": {"vocab_size": 400, "num_sentinels": 16},
-    "data": {"max_input_length": 64, "max_target_length": 32, "tokens_per_batch": 512, "eval_fraction": 0.0},
-    "training": {"max_steps": 8, "logging_steps": 1, "save_steps": 4, "eval_strategy": "no", "warmup_steps": 0,
-                 "learning_rate": 1e-3, "save_total_limit": None},
-}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +51,9 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """SMALL run once, uninterrupted: checkpoint-4, checkpoint-8 and the final model in one folder."""
+    """SMALL_PRETRAIN run once, uninterrupted: checkpoint-4, checkpoint-8 and the final model in one folder."""
     output = tmp_path_factory.mktemp("straight")
-    return output, pretrain(SMALL, output)
+    return output, pretrain(SMALL_PRETRAIN, output)
 
 
 def test_the_output_folder_itself_holds_the_model(straight_run):
@@ -88,7 +81,7 @@ def test_resumed_run_retraces_the_uninterrupted_one(straight_run, tmp_path, capf
     weights = interrupted / "checkpoint-8" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     capfd.readouterr()
-    resumed = pretrain(SMALL, interrupted, resume=True)
+    resumed = pretrain(SMALL_PRETRAIN, interrupted, resume=True)
     printed = capfd.readouterr()
     assert "skipping the incomplete checkpoint-8: model.safetensors is damaged" in printed.out
     assert f"continuing from {interrupted / 'checkpoint-4'}" in printed.out
@@ -135,13 +128,13 @@ def test_a_folder_with_a_model_or_checkpoints_is_refused_without_a_flag(straight
     shutil.copytree(output, run)
     with pytest.raises(FAT5Error, match=r"checkpoints of an earlier run: pass --resume to continue from "
                                         r"checkpoint-8, or --overwrite"):
-        pretrain(SMALL, run)
+        pretrain(SMALL_PRETRAIN, run)
     for checkpoint in run.glob("checkpoint-*"):
         shutil.rmtree(checkpoint)
     with pytest.raises(FAT5Error, match="already holds a model: pass --overwrite"):
-        pretrain(SMALL, run)
+        pretrain(SMALL_PRETRAIN, run)
     with pytest.raises(FAT5Error, match="pass one of them"):
-        pretrain(SMALL, run, resume=True, overwrite=True)
+        pretrain(SMALL_PRETRAIN, run, resume=True, overwrite=True)
     assert (run / "model.safetensors").is_file()
 
 
@@ -149,7 +142,7 @@ def test_overwrite_never_removes_the_input(tmp_path):
     """--overwrite on a folder that holds the config (or a tokenizer, corpus, ul2 file the job reads) is refused."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    (runs / "config.yaml").write_text(json.dumps(SMALL))
+    (runs / "config.yaml").write_text(json.dumps(SMALL_PRETRAIN))
     (runs / "config.json").write_text("{}")
     with pytest.raises(FAT5Error, match="holds the input"):
         pretrain(runs / "config.yaml", runs, overwrite=True)
@@ -182,7 +175,7 @@ def test_config_mistakes_are_named(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: [unclosed")
     with pytest.raises(FAT5Error, match="not valid YAML"):
         load_config(tmp_path / "bad.yaml")
-    broken = json.loads(json.dumps(SMALL))
+    broken = json.loads(json.dumps(SMALL_PRETRAIN))
     broken["model"]["position_encoding"] = "sinusoidal"
     with pytest.raises(FAT5Error, match="position_encoding"):
         pretrain(broken, tmp_path / "broken")
@@ -211,7 +204,7 @@ def test_the_whole_config_is_checked_before_any_work(tmp_path, monkeypatch, sect
 
     monkeypatch.setattr(pretrain_module, "load_corpus", no_work)
     monkeypatch.chdir(tmp_path)
-    config = json.loads(json.dumps(SMALL))
+    config = json.loads(json.dumps(SMALL_PRETRAIN))
     config[section] = {**config.get(section, {}), **change} if isinstance(change, dict) and section != "ul2" else change
     with pytest.raises(FAT5Error, match=message):
         pretrain(config, tmp_path / "out")
@@ -219,7 +212,7 @@ def test_the_whole_config_is_checked_before_any_work(tmp_path, monkeypatch, sect
 
 
 def test_resume_without_a_complete_checkpoint_starts_over_and_says_so(tmp_path, capfd):
-    config = json.loads(json.dumps(SMALL))
+    config = json.loads(json.dumps(SMALL_PRETRAIN))
     config["training"].update(max_steps=2, save_steps=2)
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint-2" / "config.json").write_text("{}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from test_conversion import make_checkpoint
+from helpers import make_checkpoint
 
 from fat5.commands.hub import add_hub_commands
 from fat5.conversion import convert

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import relative_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.t5.modeling_t5 import T5LayerNorm
@@ -27,10 +28,6 @@ def _float64_grads(hidden_states, weight, grad_output, eps):
     return torch.autograd.grad(output, (x, w), grad_output.double())
 
 
-def _relative_error(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
-
-
 @settings(max_examples=12, deadline=None)
 @given(
     leading=st.lists(st.integers(1, 5), min_size=1, max_size=3),
@@ -47,7 +44,7 @@ def test_triton_matches_t5_layer_norm_fp32(leading, width, eps):
     output = rms_norm(x, w, eps, backend="triton")
     expected = _t5_layer_norm(weight, eps)(hidden_states)
     assert output.dtype == expected.dtype == torch.float32
-    assert _relative_error(output, expected) < 1e-5
+    assert relative_error(output, expected) < 1e-5
 
     grad_input, grad_weight = torch.autograd.grad(output, (x, w), grad_output)
     expected_input, expected_weight = _float64_grads(hidden_states, weight, grad_output, eps)
@@ -55,7 +52,7 @@ def test_triton_matches_t5_layer_norm_fp32(leading, width, eps):
     inverse_rms = torch.rsqrt(hidden_states.double().pow(2).mean(-1, keepdim=True) + eps)
     scale = (grad_output.double() * weight.double() * inverse_rms).norm()
     assert (grad_input.double() - expected_input).norm() < 1e-4 * max(expected_input.norm(), scale)
-    assert _relative_error(grad_weight, expected_weight) < 1e-4
+    assert relative_error(grad_weight, expected_weight) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -75,7 +72,7 @@ def test_triton_follows_t5_dtype_rules(input_dtype, weight_dtype):
     expected = _t5_layer_norm(weight, 1e-6)(hidden_states)
     assert output.dtype == expected.dtype
     tolerance = 1e-2 if expected.dtype == torch.bfloat16 else 2e-3
-    assert _relative_error(output, expected) < tolerance
+    assert relative_error(output, expected) < tolerance
 
 
 def test_half_gradients_close_to_fp64():
@@ -87,8 +84,8 @@ def test_half_gradients_close_to_fp64():
     grad_input, grad_weight = torch.autograd.grad(rms_norm(x, w, backend="triton"), (x, w), grad_output)
     assert grad_input.dtype == grad_weight.dtype == torch.float16
     expected_input, expected_weight = _float64_grads(hidden_states, weight, grad_output, 1e-6)
-    assert _relative_error(grad_input, expected_input) < 2e-3
-    assert _relative_error(grad_weight, expected_weight) < 2e-3
+    assert relative_error(grad_input, expected_input) < 2e-3
+    assert relative_error(grad_weight, expected_weight) < 2e-3
 
 
 def test_weight_gradient_spans_many_programs_and_is_deterministic():
@@ -100,7 +97,7 @@ def test_weight_gradient_spans_many_programs_and_is_deterministic():
     second = torch.autograd.grad(rms_norm(hidden_states, weight, backend="triton"), weight, grad_output)[0]
     assert torch.equal(first, second)
     _, expected = _float64_grads(hidden_states, weight, grad_output, 1e-6)
-    assert _relative_error(first, expected) < 1e-5
+    assert relative_error(first, expected) < 1e-5
 
 
 @pytest.mark.parametrize("output_dtype", [torch.bfloat16, torch.float16])
@@ -120,8 +117,8 @@ def test_output_dtype_is_t5s_product_rounded_once(backend, output_dtype):
     assert output.dtype == output_dtype and x.grad.dtype == w.grad.dtype == torch.float32
     # the kernel's fp32 product may differ from torch's in its last bit, which can move the rounding by one step
     torch.testing.assert_close(output, expected, rtol=torch.finfo(output_dtype).eps, atol=1e-6)
-    assert _relative_error(x.grad, expected_x.grad) < 1e-5
-    assert _relative_error(w.grad, module.weight.grad) < 1e-5
+    assert relative_error(x.grad, expected_x.grad) < 1e-5
+    assert relative_error(w.grad, module.weight.grad) < 1e-5
 
 
 def test_strided_input_and_large_values():
@@ -130,12 +127,12 @@ def test_strided_input_and_large_values():
     hidden_states = base[:, :64]
     weight = torch.randn(64)
     expected = _t5_layer_norm(weight, 1e-6)(hidden_states)
-    assert _relative_error(rms_norm(hidden_states, weight, backend="triton"), expected) < 1e-5
+    assert relative_error(rms_norm(hidden_states, weight, backend="triton"), expected) < 1e-5
     half = (torch.randn(7, 64).clamp(-3, 3) * 2e4).to(torch.float16)
     half_weight = torch.ones(64, dtype=torch.float16)
     output = rms_norm(half, half_weight, backend="triton")
     assert torch.isfinite(output).all()
-    assert _relative_error(output, _t5_layer_norm(half_weight, 1e-6)(half)) < 2e-3
+    assert relative_error(output, _t5_layer_norm(half_weight, 1e-6)(half)) < 2e-3
 
 
 def test_empty_batch():
@@ -222,7 +219,7 @@ def test_gpu_bf16_real_sizes(width):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     expected = _t5_layer_norm(weight, 1e-6)(hidden_states)
-    assert torch.equal(output, expected) or _relative_error(output, expected) < 1e-2
+    assert torch.equal(output, expected) or relative_error(output, expected) < 1e-2
     expected_input, expected_weight = _float64_grads(hidden_states, weight, grad_output, 1e-6)
-    assert _relative_error(grad_input, expected_input) < 1e-2
-    assert _relative_error(grad_weight, expected_weight) < 1e-2
+    assert relative_error(grad_input, expected_input) < 1e-2
+    assert relative_error(grad_weight, expected_weight) < 1e-2

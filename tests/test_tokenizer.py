@@ -150,7 +150,7 @@ def test_the_same_corpus_trains_the_same_tokenizer_in_every_process():
     import subprocess
     import sys
 
-    from conftest import DATA
+    from helpers import DATA
 
     pieces = [
         json.loads(subprocess.run([sys.executable, "-c", _TRAIN_IN_A_NEW_PROCESS, str(DATA)], capture_output=True,

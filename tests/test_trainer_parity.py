@@ -10,9 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import DATA, ROWS
-from test_finetune import seq2seq_config
-from test_pretrain import SMALL
+from helpers import DATA, ROWS, SMALL_PRETRAIN, seq2seq_config
 from transformers import (
     AutoTokenizer,
     DataCollatorForSeq2Seq,
@@ -358,7 +356,7 @@ PRETRAIN_MISTAKES = {
 @pytest.mark.parametrize("mistake", sorted(PRETRAIN_MISTAKES))
 def test_pretrain_config_mistakes_are_named(mistake):
     section, change, message = PRETRAIN_MISTAKES[mistake]
-    config = json.loads(json.dumps(SMALL))
+    config = json.loads(json.dumps(SMALL_PRETRAIN))
     config[section] = {**config[section], **change}
     with pytest.raises(FAT5Error, match=message):
         load_config(config)
@@ -367,7 +365,7 @@ def test_pretrain_config_mistakes_are_named(mistake):
 def test_missing_data_files_are_named(tiny_model, tmp_path):
     from fat5.trainer.pretrain import pretrain
 
-    config = json.loads(json.dumps(SMALL))
+    config = json.loads(json.dumps(SMALL_PRETRAIN))
     config["data"] = {**config["data"], "path": str(tmp_path / "none.jsonl")}
     with pytest.raises(FAT5Error, match=r"cannot load the corpus .*none.jsonl"):
         pretrain(config, tmp_path / "pretrain")
