@@ -488,20 +488,26 @@ def convert(
     check_output_folder(out, overwrite=overwrite)
     resolved = resolve_source(src, revision)
     check_output_folder(out, overwrite=overwrite, inputs=[resolved.path])
-    source_name = resolved.repo_id or str(resolved.path)
     options = {
         "dtype": dtype,
         "verify": verify,
         "tolerance": tolerance,
         "max_shard_size": max_shard_size,
-        "source_name": source_name,
+        "source_name": resolved.repo_id or str(resolved.path),
     }
-    if not (bundle or push_to):
-        with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
-            result = _convert_into(resolved, folder, **options)
-        result.output = out
-        return result
+    if bundle or push_to:
+        return _convert_bundled(resolved, out, options, overwrite=overwrite, push_to=push_to, private=private)
+    with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
+        result = _convert_into(resolved, folder, **options)
+    result.output = out
+    return result
 
+
+def _convert_bundled(
+    resolved: ResolvedSource, out: Path, options: dict, *, overwrite: bool, push_to: str | None, private: bool
+) -> ConversionResult:
+    """The conversion of `resolved` made a self-contained Hub folder at `out` (converted in a staging folder beside
+    it, then bundled), and pushed to `push_to` when given."""
     from fat5.hub_upload import bundle as bundle_folder
     from fat5.hub_upload import push
     from fat5.hub_upload.push import resolve_token
@@ -515,7 +521,7 @@ def convert(
         raise ConversionError(f"cannot create a folder beside {out}: {error}") from None
     try:
         result = _convert_into(resolved, staging, **options)
-        bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=max_shard_size)
+        bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=options["max_shard_size"])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     result.output = out
