@@ -219,8 +219,12 @@ class FAT5Config(PretrainedConfig):
         return output
 
     def _validate(self) -> None:
-        from transformers.activations import ACT2FN
+        self._validate_sizes_and_token_ids()
+        self._validate_choices()
+        self._validate_rates_and_scales()
+        self._validate_flags()
 
+    def _validate_sizes_and_token_ids(self) -> None:
         for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "fire_mlp_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -236,6 +240,11 @@ class FAT5Config(PretrainedConfig):
                     )
         if not isinstance(self.num_decoder_layers, int) or self.num_decoder_layers < 0:
             raise ValueError(f"FAT5Config.num_decoder_layers must be a non-negative integer, got {self.num_decoder_layers!r}")
+
+    def _validate_choices(self) -> None:
+        """The named options (activation, position encoding, initialisation, backend) and what each one requires."""
+        from transformers.activations import ACT2FN
+
         parts = self.feed_forward_proj.split("-") if isinstance(self.feed_forward_proj, str) else []
         if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or self.dense_act_fn not in ACT2FN:
             raise ValueError(
@@ -263,6 +272,8 @@ class FAT5Config(PretrainedConfig):
                 )
         if self.position_encoding == "rope" and self.d_kv % 2:
             raise ValueError(f"FAT5Config.d_kv must be even for position_encoding='rope', got {self.d_kv}")
+
+    def _validate_rates_and_scales(self) -> None:
         for name in ("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -278,6 +289,8 @@ class FAT5Config(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"FAT5Config.{name} must be a positive number, got {value!r}")
+
+    def _validate_flags(self) -> None:
         # a string such as "false" from a hand-edited config.json would be truthy and silently switch the feature on
         for name in (
             "tie_word_embeddings",

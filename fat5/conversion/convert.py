@@ -488,20 +488,26 @@ def convert(
     check_output_folder(out, overwrite=overwrite)
     resolved = resolve_source(src, revision)
     check_output_folder(out, overwrite=overwrite, inputs=[resolved.path])
-    source_name = resolved.repo_id or str(resolved.path)
     options = {
         "dtype": dtype,
         "verify": verify,
         "tolerance": tolerance,
         "max_shard_size": max_shard_size,
-        "source_name": source_name,
+        "source_name": resolved.repo_id or str(resolved.path),
     }
-    if not (bundle or push_to):
-        with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
-            result = _convert_into(resolved, folder, **options)
-        result.output = out
-        return result
+    if bundle or push_to:
+        return _convert_bundled(resolved, out, options, overwrite=overwrite, push_to=push_to, private=private)
+    with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
+        result = _convert_into(resolved, folder, **options)
+    result.output = out
+    return result
 
+
+def _convert_bundled(
+    resolved: ResolvedSource, out: Path, options: dict, *, overwrite: bool, push_to: str | None, private: bool
+) -> ConversionResult:
+    """The conversion of `resolved` made a self-contained Hub folder at `out` (converted in a staging folder beside
+    it, then bundled), and pushed to `push_to` when given."""
     from fat5.hub_upload import bundle as bundle_folder
     from fat5.hub_upload import push
     from fat5.hub_upload.push import resolve_token
@@ -515,7 +521,7 @@ def convert(
         raise ConversionError(f"cannot create a folder beside {out}: {error}") from None
     try:
         result = _convert_into(resolved, staging, **options)
-        bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=max_shard_size)
+        bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=options["max_shard_size"])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     result.output = out
@@ -590,35 +596,14 @@ def export_hf(
     verified like `convert` (transformers' class loading `out` against the FAT5 model) and written atomically;
     tokenizer files and generation_config.json are copied.
     """
-    from fat5.configuration_fat5 import FAT5Config
-
     dtype = _parse_dtype(dtype)
-    source = Path(fat5_dir).expanduser()
-    if not source.is_dir():
-        raise ConversionError(f"{fat5_dir}: no such folder")
-    raw = read_raw_config(source)
-    if raw.get("model_type") != "fat5":
-        raise ConversionError(f"{fat5_dir} is not a FAT5 model folder (model_type {raw.get('model_type')!r})")
-    try:
-        fat5_config = FAT5Config.from_dict(raw)
-    except ValueError as error:
-        raise ConversionError(f"{source / 'config.json'} is not a valid FAT5Config: {error}") from None
+    source, raw, fat5_config = _read_fat5_folder(fat5_dir)
     family = _export_family(fat5_config, source, family)
     check_output_folder(out, overwrite=overwrite, inputs=[source])
-    suffix = _architecture_suffix(raw.get("architectures") or ["FAT5ForConditionalGeneration"], "FAT5")
-    if suffix is None:
-        raise ConversionError(
-            f"export-hf handles {', '.join('FAT5' + s for s in ARCHITECTURE_SUFFIXES)}; this folder holds {raw.get('architectures')}"
-        )
+    suffix = _export_suffix(raw)
     tensors = read_state_dict(source)
     out_dtype = dtype or predominant_dtype(tensors)
-    hf_raw = _hf_config_for(fat5_config, family, suffix)
-    hf_config = _transformers_class(FAMILY_PREFIX[family] + "Config").from_dict(hf_raw)
-    with _quiet_transformers():
-        target = _transformers_class(FAMILY_PREFIX[family] + suffix)(hf_config)
-    if hasattr(target, "lm_head") and not fat5_config.tie_word_embeddings:
-        # transformers 5 ties lm_head whatever the config says; an untied model needs its own tensor
-        target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone())
+    hf_raw, target = _transformers_model_for(fat5_config, family, suffix)
     mapped = map_state_dict(tensors, target)
     del tensors
     notes: list[str] = []
@@ -646,6 +631,47 @@ def export_hf(
         verification=verification,
         notes=notes,
     )
+
+
+def _read_fat5_folder(fat5_dir) -> tuple:
+    """The FAT5 folder `fat5_dir` as (its path, its raw config.json, its FAT5Config), or a ConversionError saying
+    why it is not one."""
+    from fat5.configuration_fat5 import FAT5Config
+
+    source = Path(fat5_dir).expanduser()
+    if not source.is_dir():
+        raise ConversionError(f"{fat5_dir}: no such folder")
+    raw = read_raw_config(source)
+    if raw.get("model_type") != "fat5":
+        raise ConversionError(f"{fat5_dir} is not a FAT5 model folder (model_type {raw.get('model_type')!r})")
+    try:
+        fat5_config = FAT5Config.from_dict(raw)
+    except ValueError as error:
+        raise ConversionError(f"{source / 'config.json'} is not a valid FAT5Config: {error}") from None
+    return source, raw, fat5_config
+
+
+def _export_suffix(raw: dict) -> str:
+    """The architecture suffix shared by the FAT5 folder's class and its transformers equivalent."""
+    suffix = _architecture_suffix(raw.get("architectures") or ["FAT5ForConditionalGeneration"], "FAT5")
+    if suffix is None:
+        raise ConversionError(
+            f"export-hf handles {', '.join('FAT5' + s for s in ARCHITECTURE_SUFFIXES)}; "
+            f"this folder holds {raw.get('architectures')}"
+        )
+    return suffix
+
+
+def _transformers_model_for(fat5_config, family: str, suffix: str) -> tuple[dict, torch.nn.Module]:
+    """The raw config.json of the transformers equivalent of `fat5_config`, and that model, freshly built."""
+    hf_raw = _hf_config_for(fat5_config, family, suffix)
+    hf_config = _transformers_class(FAMILY_PREFIX[family] + "Config").from_dict(hf_raw)
+    with _quiet_transformers():
+        target = _transformers_class(FAMILY_PREFIX[family] + suffix)(hf_config)
+    if hasattr(target, "lm_head") and not fat5_config.tie_word_embeddings:
+        # transformers 5 ties lm_head whatever the config says; an untied model needs its own tensor
+        target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone())
+    return hf_raw, target
 
 
 def _write_hf_weights(target, mapped: dict, folder: Path, dtype: torch.dtype, max_shard_size) -> None:

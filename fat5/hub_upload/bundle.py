@@ -109,54 +109,13 @@ def _flatten_source(module_name: str, source: str, flat: dict[str, str]) -> str:
     `from .attention import f`; `from . import x as y` (a sibling module imported whole, which transformers does not
     see) is kept and preceded by `from .x import __name__ as _remote_code_x`, which makes transformers copy `x.py`.
     """
-    packages = {PACKAGE, f"{PACKAGE}.{KERNELS_PACKAGE}"}
-    tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     replacements: dict[int, tuple[int, list[str]]] = {}  # first line index -> (last line index, new lines)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == PACKAGE:
-                    raise BundleError(f"{module_name} imports {alias.name} absolutely (line {node.lineno})")
-            continue
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        if node.level == 0:
-            if node.module and node.module.split(".")[0] == PACKAGE:
-                raise BundleError(f"{module_name} imports {node.module} absolutely (line {node.lineno})")
-            continue
-        target = _resolve(module_name, node)
-        first = lines[node.lineno - 1]
-        indent = first[: len(first) - len(first.lstrip())]
-        if target in flat:
-            pattern = re.compile(r"from\s+\.+[\w.]*\s+import")
-            match = pattern.match(first, node.col_offset)
-            if match is None:
-                raise BundleError(f"{module_name}: cannot rewrite the import on line {node.lineno}: {first.strip()}")
-            rewritten = first[: match.start()] + f"from .{flat[target]} import" + first[match.end() :]
-            replacements[node.lineno - 1] = (node.lineno - 1, [rewritten])
-        elif target in packages:
-            statements = []
-            for alias in node.names:
-                submodule = f"{target}.{alias.name}"
-                if submodule not in flat:
-                    raise BundleError(
-                        f"{module_name} imports {alias.name} from {target} (line {node.lineno}), which is not a "
-                        "remote-code module"
-                    )
-                name = flat[submodule]
-                statements.append(f"{indent}from .{name} import __name__ as _remote_code_{name}\n")
-                statements.append(f"{indent}from . import {name} as {alias.asname or alias.name}\n")
-            replacements[node.lineno - 1] = (node.end_lineno - 1, statements)
-        elif target.startswith(f"{PACKAGE}.{KERNELS_PACKAGE}."):
-            raise BundleError(
-                f"{module_name} imports {target} (line {node.lineno}), but fat5/{KERNELS_PACKAGE}/"
-                f"{target.rpartition('.')[2]}.py does not exist: the remote code would fail to load"
-            )
-        else:
-            raise BundleError(
-                f"{module_name} imports {target} (line {node.lineno}), which does not ship as remote code"
-            )
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
+            _check_not_absolute_fat5_import(module_name, node)
+        elif isinstance(node, ast.ImportFrom):
+            replacements[node.lineno - 1] = _flat_import(module_name, node, lines, flat)
     output, index = [], 0
     while index < len(lines):
         if index in replacements:
@@ -167,6 +126,47 @@ def _flatten_source(module_name: str, source: str, flat: dict[str, str]) -> str:
             output.append(lines[index])
             index += 1
     return "".join(output)
+
+
+def _check_not_absolute_fat5_import(module_name: str, node: ast.Import | ast.ImportFrom) -> None:
+    names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    for name in names:
+        if name.split(".")[0] == PACKAGE:
+            raise BundleError(f"{module_name} imports {name} absolutely (line {node.lineno})")
+
+
+def _flat_import(
+    module_name: str, node: ast.ImportFrom, lines: list[str], flat: dict[str, str]
+) -> tuple[int, list[str]]:
+    """The relative import `node` of `module_name` rewritten for the flat folder, as (the index of its last line,
+    the lines that replace it); a `BundleError` when it imports something that does not ship as remote code."""
+    target = _resolve(module_name, node)
+    first = lines[node.lineno - 1]
+    if target in flat:
+        match = re.compile(r"from\s+\.+[\w.]*\s+import").match(first, node.col_offset)
+        if match is None:
+            raise BundleError(f"{module_name}: cannot rewrite the import on line {node.lineno}: {first.strip()}")
+        return node.lineno - 1, [first[: match.start()] + f"from .{flat[target]} import" + first[match.end() :]]
+    if target in {PACKAGE, f"{PACKAGE}.{KERNELS_PACKAGE}"}:
+        indent = first[: len(first) - len(first.lstrip())]
+        statements = []
+        for alias in node.names:
+            submodule = f"{target}.{alias.name}"
+            if submodule not in flat:
+                raise BundleError(
+                    f"{module_name} imports {alias.name} from {target} (line {node.lineno}), which is not a "
+                    "remote-code module"
+                )
+            name = flat[submodule]
+            statements.append(f"{indent}from .{name} import __name__ as _remote_code_{name}\n")
+            statements.append(f"{indent}from . import {name} as {alias.asname or alias.name}\n")
+        return node.end_lineno - 1, statements
+    if target.startswith(f"{PACKAGE}.{KERNELS_PACKAGE}."):
+        raise BundleError(
+            f"{module_name} imports {target} (line {node.lineno}), but fat5/{KERNELS_PACKAGE}/"
+            f"{target.rpartition('.')[2]}.py does not exist: the remote code would fail to load"
+        )
+    raise BundleError(f"{module_name} imports {target} (line {node.lineno}), which does not ship as remote code")
 
 
 def flatten_remote_code(package_dir: Path | None = None) -> dict[str, str]:

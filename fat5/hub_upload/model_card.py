@@ -46,62 +46,9 @@ def _check_section(report: dict) -> str:
     )
 
 
-def build_model_card(
-    config: dict,
-    *,
-    architecture: str,
-    report: dict | None = None,
-    repo_id: str | None = None,
-    license: str | None = None,
-    base_model: str | None = None,
-) -> ModelCard:
-    """A model card for a bundled FAT5 folder with `config` (its config.json) and `architecture`.
-
-    `report` is the conversion report (`fat5_conversion.json`) when the model was converted: it gives the base
-    model (its Hub id), the licence and the check's figures unless `base_model` / `license` are passed.
-    """
-    report = report or {}
-    base_model = base_model or report.get("repo_id")
-    license = license or report.get("license")
-    family = report.get("source_model_type")
-    tags = ["fat5", "flash-attention", "triton", "remote-code"] + (
-        [FAMILY_TAGS[family]] if family in FAMILY_TAGS else []
-    )
-    pipeline_tag = PIPELINE_TAGS.get(architecture, "text2text-generation")
-    card_data = ModelCardData(
-        license=license,
-        base_model=base_model,
-        library_name="transformers",
-        pipeline_tag=pipeline_tag,
-        tags=tags,
-    )
-    name = repo_id or "path/to/this/folder"
-    auto_class = AUTO_CLASS_FOR.get(architecture, "AutoModel")
-    title = repo_id.split("/")[-1] if repo_id else f"FAT5 {architecture}"
-    origin = (
-        f"a FAT5 conversion of [{base_model}](https://huggingface.co/{base_model})"
-        if base_model
-        else ("a FAT5 conversion of a " + report["source_architecture"] + " checkpoint" if report else "a FAT5 model")
-    )
-    usage_inputs = (
-        'inputs = tokenizer("translate English to German: The house is wonderful.", return_tensors="pt")\n'
-        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0], skip_special_tokens=True))"
-        if auto_class == "AutoModelForSeq2SeqLM"
-        else 'outputs = model(**tokenizer("A sentence to encode.", return_tensors="pt"))'
-    )
-    sizes = (
-        f"d_model {config.get('d_model')}, {config.get('num_layers')} encoder / {config.get('num_decoder_layers')} "
-        f"decoder layers, {config.get('num_heads')} heads of {config.get('d_kv')}, feed-forward {config.get('d_ff')} "
-        f"({config.get('feed_forward_proj')}), vocabulary {config.get('vocab_size')}, position encoding "
-        f"`{config.get('position_encoding')}`"
-        + (" (a bias table in every layer)" if config.get("position_bias_per_layer") else "")
-    )
-    export = (
-        ", and `fat5 export-hf` writes the model back as a plain transformers T5 checkpoint"
-        if config.get("position_encoding") == "t5" and config.get("attention_scale", 1.0) == 1.0
-        else ""
-    )
-    body = f"""
+NO_REPORT = "No conversion report: this model was not produced by `fat5 convert`."
+# The card's text below the YAML header; every {field} is filled by build_model_card.
+CARD_BODY = """
 # {title}
 
 This is {origin}. FAT5 (Flash Attention T5) runs T5's attention in fused Triton kernels that add the relative
@@ -131,6 +78,81 @@ With the `fat5` package installed, `import fat5` registers the same classes with
 
 ## Conversion check
 
-{_check_section(report) if report else "No conversion report: this model was not produced by `fat5 convert`."}
+{check}
 """
+
+
+def build_model_card(
+    config: dict,
+    *,
+    architecture: str,
+    report: dict | None = None,
+    repo_id: str | None = None,
+    license: str | None = None,
+    base_model: str | None = None,
+) -> ModelCard:
+    """A model card for a bundled FAT5 folder with `config` (its config.json) and `architecture`.
+
+    `report` is the conversion report (`fat5_conversion.json`) when the model was converted: it gives the base
+    model (its Hub id), the licence and the check's figures unless `base_model` / `license` are passed.
+    """
+    report = report or {}
+    base_model = base_model or report.get("repo_id")
+    auto_class = AUTO_CLASS_FOR.get(architecture, "AutoModel")
+    card_data = ModelCardData(
+        license=license or report.get("license"),
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag=PIPELINE_TAGS.get(architecture, "text2text-generation"),
+        tags=_tags(report.get("source_model_type")),
+    )
+    body = CARD_BODY.format(
+        title=repo_id.split("/")[-1] if repo_id else f"FAT5 {architecture}",
+        origin=_origin(base_model, report),
+        sizes=_architecture_summary(config),
+        auto_class=auto_class,
+        name=repo_id or "path/to/this/folder",
+        usage_inputs=_usage_lines(auto_class),
+        export=_export_clause(config),
+        check=_check_section(report) if report else NO_REPORT,
+    )
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+
+
+def _tags(family: str | None) -> list[str]:
+    family_tags = [FAMILY_TAGS[family]] if family in FAMILY_TAGS else []
+    return ["fat5", "flash-attention", "triton", "remote-code", *family_tags]
+
+
+def _origin(base_model: str | None, report: dict) -> str:
+    """What the model is, for the card's first sentence: a conversion of `base_model`, of a checkpoint, or neither."""
+    if base_model:
+        return f"a FAT5 conversion of [{base_model}](https://huggingface.co/{base_model})"
+    return "a FAT5 conversion of a " + report["source_architecture"] + " checkpoint" if report else "a FAT5 model"
+
+
+def _usage_lines(auto_class: str) -> str:
+    """The lines of the loading example that run the model: generation for a seq2seq LM, else one forward."""
+    if auto_class == "AutoModelForSeq2SeqLM":
+        return (
+            'inputs = tokenizer("translate English to German: The house is wonderful.", return_tensors="pt")\n'
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0], skip_special_tokens=True))"
+        )
+    return 'outputs = model(**tokenizer("A sentence to encode.", return_tensors="pt"))'
+
+
+def _architecture_summary(config: dict) -> str:
+    return (
+        f"d_model {config.get('d_model')}, {config.get('num_layers')} encoder / {config.get('num_decoder_layers')} "
+        f"decoder layers, {config.get('num_heads')} heads of {config.get('d_kv')}, feed-forward {config.get('d_ff')} "
+        f"({config.get('feed_forward_proj')}), vocabulary {config.get('vocab_size')}, position encoding "
+        f"`{config.get('position_encoding')}`"
+        + (" (a bias table in every layer)" if config.get("position_bias_per_layer") else "")
+    )
+
+
+def _export_clause(config: dict) -> str:
+    """The end of the sentence on `fat5`'s Auto classes: `fat5 export-hf` when the model has a T5 equivalent."""
+    if config.get("position_encoding") == "t5" and config.get("attention_scale", 1.0) == 1.0:
+        return ", and `fat5 export-hf` writes the model back as a plain transformers T5 checkpoint"
+    return ""

@@ -99,38 +99,69 @@ def push(
     what would be uploaded, contacting nothing. The endpoint is huggingface_hub's (`HF_ENDPOINT`). A folder whose
     code, weights or config differ from the manifest `fat5 bundle` wrote is refused unless `force` is set.
     """
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from .bundle import BundleError, manifest_differences, validate_bundle
+    from huggingface_hub import constants
 
     folder = Path(folder).expanduser().absolute()
+    _check_repo_id(repo_id)
+    _check_bundle_files(folder, force)
+    token = None if dry_run else resolve_token(token)
+    if validate:
+        _check_bundle_loads(folder)
+    endpoint = constants.ENDPOINT
+    url = _repo_url(endpoint, repo_id, revision)
+    if dry_run:
+        _print_upload_plan(folder, url)
+        return url
+    _upload(folder, repo_id, endpoint, token, private=private, revision=revision, commit_message=commit_message)
+    print(f"uploaded {folder} to {url}")
+    return url
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
         raise PushError(f"{repo_id!r} is not a valid Hub repo id: {error}") from None
+
+
+def _check_bundle_files(folder: Path, force: bool) -> None:
+    """The static checks, then the manifest: an edited bundle is refused, or only warned about with `force`."""
+    from .bundle import manifest_differences
+
     check_folder_files(folder)
     differences = manifest_differences(folder)
     if differences and not force:
         raise PushError(f"refusing to upload {folder}: {'; '.join(differences)} (pass --force to push it anyway)")
     for difference in differences:
         print(f"warning: {difference} (pushed anyway: --force)", file=sys.stderr)
-    token = None if dry_run else resolve_token(token)
-    if validate:
-        try:
-            validate_bundle(folder, compare_with_package=False)
-        except BundleError as error:
-            raise PushError(f"refusing to upload {folder}: {error}") from None
-    endpoint = constants.ENDPOINT
-    url = _repo_url(endpoint, repo_id, revision)
-    if dry_run:
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-        size = sum(p.stat().st_size for p in files)
-        print(f"dry run: would upload {len(files)} files ({size / 1e6:.1f} MB) to {url}:")
-        for path in files:
-            print(f"  {path.relative_to(folder)}")
-        return url
+
+
+def _check_bundle_loads(folder: Path) -> None:
+    from .bundle import BundleError, validate_bundle
+
+    try:
+        validate_bundle(folder, compare_with_package=False)
+    except BundleError as error:
+        raise PushError(f"refusing to upload {folder}: {error}") from None
+
+
+def _print_upload_plan(folder: Path, url: str) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    size = sum(p.stat().st_size for p in files)
+    print(f"dry run: would upload {len(files)} files ({size / 1e6:.1f} MB) to {url}:")
+    for path in files:
+        print(f"  {path.relative_to(folder)}")
+
+
+def _upload(
+    folder: Path, repo_id: str, endpoint: str, token: str, *, private: bool, revision: str | None, commit_message
+) -> None:
+    """create_repo, create_branch for a `revision`, upload_folder; every failure a `PushError` saying what to do."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
     api = HfApi(endpoint=endpoint, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -148,9 +179,8 @@ def push(
         raise PushError(_http_error_message(error, repo_id)) from None
     except (OSError, ValueError, RuntimeError) as error:
         raise PushError(
-            f"could not upload to the Hub at {endpoint} ({type(error).__name__}: {error}); check the network or HF_ENDPOINT"
+            f"could not upload to the Hub at {endpoint} ({type(error).__name__}: {error}); check the network or "
+            "HF_ENDPOINT"
         ) from None
     except Exception as error:  # noqa: BLE001  (the HTTP stack's own connection and timeout errors)
         raise PushError(f"could not reach the Hub at {endpoint} ({type(error).__name__}: {error})") from None
-    print(f"uploaded {folder} to {url}")
-    return url

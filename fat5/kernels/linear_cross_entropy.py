@@ -157,6 +157,28 @@ def linear_cross_entropy(
     Returns:
         ``(ce_loss, z_loss_term)``, fp32 scalars, both differentiable (to ``hidden`` and ``weight``).
     """
+    _check_arguments(hidden, weight, labels, chunk_rows)
+    vocab_size = weight.shape[0]
+    # cross_entropy's own checks (dtypes, options), on the logits' shape, before any product is computed
+    _check_inputs(
+        hidden.new_empty((*hidden.shape[:-1], vocab_size), device="meta"), labels.to("meta"), ignore_index,
+        label_smoothing, z_loss, reduction,
+    )
+    compute_dtype = _product_dtype(hidden, weight)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(vocab_size, torch.empty((), dtype=compute_dtype).element_size())
+    normaliser = _normaliser(flat_labels, ignore_index, reduction, num_items_in_batch, hidden.device)
+    options = (int(ignore_index), float(label_smoothing), float(z_loss), reduction, backend)
+    # autocast is off inside: the products are cast to compute_dtype by hand, and the kernels see the logits as made
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _LinearCrossEntropyFunction.apply(rows, weight, flat_labels, normaliser, options, chunk_rows,
+                                                 compute_dtype)
+
+
+def _check_arguments(hidden, weight, labels, chunk_rows) -> None:
+    """What cross_entropy cannot check on the logits' shape: the tensors' types, shapes and device, and chunk_rows."""
     if not all(isinstance(tensor, torch.Tensor) for tensor in (hidden, weight, labels)):
         raise TypeError("linear_cross_entropy expects tensors for hidden, weight and labels")
     if weight.dim() != 2 or hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
@@ -174,25 +196,10 @@ def linear_cross_entropy(
         )
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
-    vocab_size = weight.shape[0]
-    # cross_entropy's own checks (dtypes, options), on the logits' shape, before any product is computed
-    _check_inputs(
-        hidden.new_empty((*hidden.shape[:-1], vocab_size), device="meta"), labels.to("meta"), ignore_index,
-        label_smoothing, z_loss, reduction,
-    )
-    compute_dtype = (
-        torch.get_autocast_dtype(hidden.device.type)
-        if torch.is_autocast_enabled(hidden.device.type)
-        else torch.promote_types(hidden.dtype, weight.dtype)
-    )
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(vocab_size, torch.empty((), dtype=compute_dtype).element_size())
-    normaliser = _normaliser(flat_labels, ignore_index, reduction, num_items_in_batch, hidden.device)
-    options = (int(ignore_index), float(label_smoothing), float(z_loss), reduction, backend)
-    # autocast is off inside: the products are cast to compute_dtype by hand, and the kernels see the logits as made
-    with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropyFunction.apply(rows, weight, flat_labels, normaliser, options, chunk_rows,
-                                                 compute_dtype)
 
+
+def _product_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would compute ``hidden @ weight.T`` in: autocast's, else the promoted one."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return torch.promote_types(hidden.dtype, weight.dtype)

@@ -54,19 +54,33 @@ def train_tokenizer(
         save_directory: where to ``save_pretrained`` it, if given.
         show_progress: show the `tokenizers` trainer's progress bar.
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
     from transformers import PreTrainedTokenizerFast
 
+    special = _checked_special_tokens(model, vocab_size, num_sentinels, prefixes)
+    tokenizer, trainer = _untrained_tokenizer(model, vocab_size, special, show_progress)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    for i, token in enumerate(special):
+        if tokenizer.token_to_id(token) != i:
+            raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
+    if model == "unigram":
+        tokenizer.model = _canonical_unigram(tokenizer, len(special))
+    sentinels = _add_sentinels_and_eos(tokenizer, num_sentinels)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=model_max_length,
+        padding_side="right",
+    )
+    wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
+    if save_directory is not None:
+        wrapped.save_pretrained(save_directory)
+    return wrapped
+
+
+def _checked_special_tokens(model: str, vocab_size: int, num_sentinels: int, prefixes: Sequence[str]) -> list[str]:
+    """The special tokens in their id order (pad, eos, unk, then the prefixes), once the arguments are checked."""
     if model not in TOKENIZER_MODELS:
         raise ValueError(f"model must be one of {TOKENIZER_MODELS}, got {model!r}")
     special = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *prefixes]
@@ -74,6 +88,12 @@ def train_tokenizer(
         raise ValueError(f"vocab_size must be larger than the {len(special)} special tokens, got {vocab_size}")
     if num_sentinels < 0:
         raise ValueError(f"num_sentinels must be >= 0, got {num_sentinels}")
+    return special
+
+
+def _untrained_tokenizer(model: str, vocab_size: int, special: list[str], show_progress: bool):
+    """An empty `tokenizers` Tokenizer with T5's normalisation and Metaspace pieces, and the trainer that fills it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     if model == "unigram":
         tokenizer = Tokenizer(models.Unigram())
@@ -90,12 +110,13 @@ def train_tokenizer(
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(r"\s+"), " ")])
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    for i, token in enumerate(special):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
-    if model == "unigram":
-        tokenizer.model = _canonical_unigram(tokenizer, len(special))
+    return tokenizer, trainer
+
+
+def _add_sentinels_and_eos(tokenizer, num_sentinels: int) -> list[str]:
+    """Append the sentinels to the trained ``tokenizer`` and make it end each sequence with ``</s>``; returns the
+    sentinels in id order."""
+    from tokenizers import AddedToken, processors
 
     # Appended last, in decreasing index, so that <extra_id_0> has the highest id as in T5.
     sentinels = [sentinel_token(i) for i in reversed(range(num_sentinels))]
@@ -105,18 +126,7 @@ def train_tokenizer(
         pair=f"$A {EOS_TOKEN} $B {EOS_TOKEN}",
         special_tokens=[(EOS_TOKEN, tokenizer.token_to_id(EOS_TOKEN))],
     )
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        model_max_length=model_max_length,
-        padding_side="right",
-    )
-    wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
-    if save_directory is not None:
-        wrapped.save_pretrained(save_directory)
-    return wrapped
+    return sentinels
 
 
 # Unigram scores are log-probabilities of order 1..20; the trainer's own rounding noise is of order 1e-14.

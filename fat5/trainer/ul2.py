@@ -592,20 +592,7 @@ class UL2Objective:
                 else rng.choice(len(self._proportions), size=len(source), p=self._proportions)
             )
             draws = rng.random(len(source))
-            noise = np.zeros(len(source), dtype=np.int64)
-            spans = np.zeros(len(source), dtype=np.int64)
-            taken = np.zeros(len(source), dtype=np.int64)
-            for index in np.unique(chosen):
-                rows = np.flatnonzero(chosen == index)
-                spec = self.mixture.denoisers[index]
-                if spec.kind == "prefix_lm":
-                    low, high = spec.target_range
-                    fraction = low + (high - low) * draws[rows]
-                    taken[rows] = self._largest_fitting_length(index, fraction, upper=remaining[rows])
-                    noise[rows], spans[rows] = self._lengths_for(index, taken[rows], fraction)
-                else:
-                    taken[rows] = np.minimum(remaining[rows], self._span_raw_limit[index])
-                    noise[rows], spans[rows] = self._lengths_for(index, taken[rows], draws[rows])
+            taken, noise, spans = self._taken_noise_and_spans(chosen, draws, remaining)
             # An empty source still gives one (empty) example unless sources are being split.
             keep = taken > 0 if split_long else np.ones(len(source), dtype=bool)
             pieces.append((source[keep], start[keep], taken[keep], chosen[keep], noise[keep], spans[keep]))
@@ -614,6 +601,32 @@ class UL2Objective:
             start = start + taken
             more = (start < lengths[source]) & (taken > 0) & (lengths[source] - start >= self.min_length)
             source, start = source[more], start[more]
+        return self._sorted_plan(pieces)
+
+    def _taken_noise_and_spans(
+        self, chosen: np.ndarray, draws: np.ndarray, remaining: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each source, under its ``chosen`` denoiser and uniform ``draws``: the source tokens the example takes
+        (at most ``remaining``), its noise tokens and its noise spans."""
+        noise = np.zeros(len(draws), dtype=np.int64)
+        spans = np.zeros(len(draws), dtype=np.int64)
+        taken = np.zeros(len(draws), dtype=np.int64)
+        for index in np.unique(chosen):
+            rows = np.flatnonzero(chosen == index)
+            spec = self.mixture.denoisers[index]
+            if spec.kind == "prefix_lm":
+                low, high = spec.target_range
+                fraction = low + (high - low) * draws[rows]
+                taken[rows] = self._largest_fitting_length(index, fraction, upper=remaining[rows])
+                noise[rows], spans[rows] = self._lengths_for(index, taken[rows], fraction)
+            else:
+                taken[rows] = np.minimum(remaining[rows], self._span_raw_limit[index])
+                noise[rows], spans[rows] = self._lengths_for(index, taken[rows], draws[rows])
+        return taken, noise, spans
+
+    def _sorted_plan(self, pieces: list[tuple[np.ndarray, ...]]) -> UL2Plan:
+        """The plan of the examples in ``pieces`` (one tuple of columns per round), ordered by source then start,
+        with the input and target lengths they pack to."""
         columns = [np.concatenate(column) for column in zip(*pieces)]
         plan = UL2Plan(*columns)
         order = np.lexsort((plan.start, plan.source))
