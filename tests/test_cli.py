@@ -93,7 +93,10 @@ def test_convert_writes_the_weights_in_the_short_named_dtype(tmp_path):
 GPU_ONLY_BENCHMARKS = ["attention", "cross-entropy", "rms-norm", "model", "launch-overhead", "linear-cross-entropy"]
 
 
-@pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, "finetune", "pretrain", "distributed"])
+TINY_ON_CPU_BENCHMARKS = ["finetune", "pretrain", "distributed", "generation-profile"]
+
+
+@pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, *TINY_ON_CPU_BENCHMARKS])
 def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
     """attention, cross-entropy and rms-norm used to end in `Torch not compiled with CUDA enabled` tracebacks."""
     import torch
@@ -104,7 +107,7 @@ def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
     captured = capfd.readouterr()
     [line] = captured.err.splitlines()
     assert line.startswith(f"fat5 bench: error: {name} measures on a CUDA GPU and this machine has none")
-    assert ("--tiny" in line) == (name in ("finetune", "pretrain", "distributed"))
+    assert ("--tiny" in line) == (name in TINY_ON_CPU_BENCHMARKS)
     assert captured.out == ""
 
 

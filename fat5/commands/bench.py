@@ -20,7 +20,8 @@ def benchmark_names() -> list[str]:
 
 
 # the benchmarks that run without a GPU: always (None) or with the option that shrinks them to a CPU check
-CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "pretrain": "--tiny"}
+CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "generation-profile": "--tiny",
+             "pretrain": "--tiny"}
 # options under which a benchmark measures nothing and writes no result
 NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only")
 RESULTS_FOLDER = Path("runs") / "bench"
