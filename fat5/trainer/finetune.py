@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-from ..output_folder import disk_full_error, is_disk_full, move_into, prepare_run_folder
+from ..output_folder import is_disk_full, move_into, prepare_run_folder
 from .finetune_config import load_finetune_config
 from .finetune_data import data_collator, label_mapping, limit_samples, load_raw_datasets, tokenize_datasets
 from .finetune_model import apply_lora, load_model, load_tokenizer, resolve_model_path
@@ -210,7 +210,7 @@ def _inputs(config: dict) -> list[Path]:
 def _save_models(setup: FinetuneSetup, output_dir: Path) -> dict:
     """Save the trained model (or adapter, and the merged model) and the bundle; returns the folders written,
     None where not applicable. A full disk says so in one line, its half-written temporary folders removed."""
-    from .trainer import newest_complete_checkpoint
+    from .trainer import final_model_disk_full_error
 
     try:
         return _write_models(setup, output_dir)
@@ -219,9 +219,7 @@ def _save_models(setup: FinetuneSetup, output_dir: Path) -> dict:
             raise
         for temporary in (".final-model.tmp", ".merged-model.tmp", "adapter"):
             shutil.rmtree(output_dir / temporary, ignore_errors=True)
-        kept, _ = newest_complete_checkpoint(output_dir)
-        raise disk_full_error(output_dir, "the final model was not written" + (
-            f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else "")) from None
+        raise final_model_disk_full_error(output_dir) from None
 
 
 def _write_models(setup: FinetuneSetup, output_dir: Path) -> dict:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-from ..output_folder import disk_full_error, is_disk_full, move_into, prepare_run_folder
+from ..output_folder import is_disk_full, move_into, prepare_run_folder
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "pretrain_default.yaml"
@@ -411,7 +411,7 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    from .trainer import newest_complete_checkpoint
+    from .trainer import final_model_disk_full_error
 
     main_process = trainer.is_world_process_zero()
     temporary = final / ".final-model.tmp"
@@ -428,7 +428,5 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
         if not is_disk_full(error, temporary):
             raise
         shutil.rmtree(temporary, ignore_errors=True)
-        kept, _ = newest_complete_checkpoint(final)
-        raise disk_full_error(final, "the final model was not written" + (
-            f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else "")) from None
+        raise final_model_disk_full_error(final) from None
     trainer.accelerator.wait_for_everyone()

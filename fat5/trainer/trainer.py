@@ -23,6 +23,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..errors import FAT5Error
 from ..output_folder import disk_full_error, is_disk_full
 from .metrics import numeric_progress_callback
 
@@ -136,8 +137,6 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
     """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field, a value of the wrong
     type in one of its scalar fields (integers, numbers, booleans; the fields that take strings are transformers'),
     or a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...)."""
-    from ..errors import FAT5Error
-
     fields = typing.get_type_hints(FAT5TrainingArguments)
     unknown = sorted(set(arguments) - set(fields))
     if unknown:
@@ -227,6 +226,14 @@ def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
+def final_model_disk_full_error(run_dir: Path) -> FAT5Error:
+    """What a job says when the disk fills while its final model is written: the folder, and the checkpoint from
+    which ``--resume`` finishes the run, if one is complete."""
+    kept, _ = newest_complete_checkpoint(run_dir)
+    return disk_full_error(run_dir, "the final model was not written" + (
+        f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else ""))
+
+
 def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | None:
     """The newest complete checkpoint of ``output_dir``, saying (with ``announce``: the main process) which and why
     newer ones are skipped; None (a run that starts over) when there is none."""
@@ -279,8 +286,6 @@ def require_full_state_dict(trainer) -> None:
     """Raise FAT5Error, before any training, when FSDP or DeepSpeed ZeRO-3 would save sharded checkpoints:
     ``save_model`` then writes no usable model, and a job's final folder must be a plain model that
     ``from_pretrained`` loads."""
-    from ..errors import FAT5Error
-
     if trainer.is_fsdp_enabled:
         state_dict_type = str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
         if "FULL_STATE_DICT" not in state_dict_type:
