@@ -40,6 +40,17 @@ def _check_inputs(query, key, value, query_offset, position_bias, dropout_p):
             raise ValueError(f"query_offset is on {query_offset.device} but the query on {query.device}")
 
 
+def _check_padded_inputs(query, key, value, key_padding_mask, query_offset, position_bias, dropout_p):
+    """The checks of the (batch, heads, length, head_dim) entry points, ``attention`` and its probabilities path."""
+    if query.dim() != 4:
+        raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
+    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
+    if key_padding_mask is not None and key_padding_mask.shape != (key.shape[0], key.shape[2]):
+        raise ValueError(
+            f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, got {tuple(key_padding_mask.shape)}"
+        )
+
+
 def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offset, position_bias, dropout_p,
                attention_mask=None):
     """The attention output in the query's dtype and the probabilities (fp32), from materialised fp32 scores."""
@@ -100,13 +111,7 @@ def attention(
         dropout_p: dropout on the attention probabilities.
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``dispatch``).
     """
-    if query.dim() != 4:
-        raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
-    if key_padding_mask is not None and key_padding_mask.shape != (key.shape[0], key.shape[2]):
-        raise ValueError(
-            f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, got {tuple(key_padding_mask.shape)}"
-        )
+    _check_padded_inputs(query, key, value, key_padding_mask, query_offset, position_bias, dropout_p)
     arguments = {
         "position_bias": position_bias, "scale": scale, "causal": causal, "key_padding_mask": key_padding_mask,
         "query_offset": query_offset, "dropout_p": dropout_p,
@@ -142,9 +147,7 @@ def attention_with_probabilities(
             ``key_padding_mask`` may come with it.
         Others as in :func:`attention`; with them, the output is the one :func:`attention` gives.
     """
-    if query.dim() != 4:
-        raise ValueError(f"attention expects (batch, heads, length, head_dim) tensors, got query {tuple(query.shape)}")
-    _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
+    _check_padded_inputs(query, key, value, key_padding_mask, query_offset, position_bias, dropout_p)
     if attention_mask is not None:
         if causal or key_padding_mask is not None:
             raise ValueError("a custom attention_mask is the whole mask: give it without causal or key_padding_mask")
