@@ -130,3 +130,22 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(column, "")) for column in columns) + " |")
     return "\n".join(lines)
+
+
+def t5_carrying_weights_of(fat5, **config_fields):
+    """transformers' ``T5ForConditionalGeneration`` of ``config_fields`` holding a copy of ``fat5``'s weights (the
+    names are T5's on both sides), its output layer untied as T5 v1.1's; checked parameter by parameter."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(**config_fields))
+    if t5.lm_head.weight is t5.shared.weight:
+        # some transformers 5 releases tie T5's output layer whatever the config says; v1.1's is its own
+        t5.lm_head.weight = torch.nn.Parameter(t5.shared.weight.detach().clone())
+    missing, unexpected = t5.load_state_dict(fat5.state_dict(), strict=False)
+    missing = [name for name in missing if not name.endswith("embed_tokens.weight")]
+    if missing or unexpected:
+        raise SystemExit(f"FAT5's weights do not map onto T5's: missing {missing}, unexpected {unexpected}")
+    for name, parameter in t5.named_parameters():
+        if not torch.equal(parameter, fat5.get_parameter(name)):
+            raise SystemExit(f"{name} differs between the two models after the copy")
+    return t5

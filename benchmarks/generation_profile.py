@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import draw_beside, markdown_table, parse_or_plot, save_png, write_result
+from common import draw_beside, markdown_table, parse_or_plot, save_png, t5_carrying_weights_of, write_result
 
 BASE = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12,
         "vocab_size": 32128}
@@ -33,19 +33,13 @@ HOST_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync
 
 def build_models(shape: dict, device: str, dtype: torch.dtype) -> dict:
     """FAT5 and transformers' T5 with the same random weights (T5 v1.1 layout: gated-GELU, untied head)."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
     from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
     common = {**shape, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
               "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
     torch.manual_seed(0)
     fat5 = FAT5ForConditionalGeneration(FAT5Config(**common))
-    t5 = T5ForConditionalGeneration(T5Config(**common))
-    if t5.lm_head.weight is t5.shared.weight:
-        # some transformers 5 releases tie T5's output layer whatever the config says; v1.1's is its own
-        t5.lm_head.weight = torch.nn.Parameter(t5.shared.weight.detach().clone())
-    t5.load_state_dict(fat5.state_dict(), strict=False)
+    t5 = t5_carrying_weights_of(fat5, **common)
     return {"fat5": fat5.to(device, dtype).eval(), "transformers": t5.to(device, dtype).eval()}
 
 

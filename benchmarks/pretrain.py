@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import draw_beside, environment, markdown_table, parse_or_plot, write_result
+from common import draw_beside, environment, markdown_table, parse_or_plot, t5_carrying_weights_of, write_result
 
 logger = logging.getLogger("benchmarks.pretrain")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -92,8 +92,6 @@ def load_corpus(vocab_size: int, max_documents: int | None):
 
 def build_models(shape: str, vocab_size: int, initialization: str, seed: int, tokenizer):
     """A FAT5 drawn with ``initialization`` and transformers' T5 carrying a copy of its weights (T5's names)."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
     from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
     common = {**SHAPES[shape], "feed_forward_proj": "gated-gelu", "vocab_size": vocab_size,
@@ -102,17 +100,7 @@ def build_models(shape: str, vocab_size: int, initialization: str, seed: int, to
     torch.manual_seed(seed)
     fat5 = FAT5ForConditionalGeneration(FAT5Config(**common, z_loss=0.0, scale_decoder_outputs=False,
                                                    initialization=initialization))
-    transformers_model = T5ForConditionalGeneration(T5Config(**common))
-    if transformers_model.lm_head.weight is transformers_model.shared.weight:
-        # some transformers 5 releases tie T5's output layer whatever the config says; v1.1's is its own
-        transformers_model.lm_head.weight = torch.nn.Parameter(transformers_model.shared.weight.detach().clone())
-    missing, unexpected = transformers_model.load_state_dict(fat5.state_dict(), strict=False)
-    missing = [name for name in missing if not name.endswith("embed_tokens.weight")]
-    if missing or unexpected:
-        raise SystemExit(f"FAT5's weights do not map onto T5's: missing {missing}, unexpected {unexpected}")
-    for name, parameter in transformers_model.named_parameters():
-        if not torch.equal(parameter, fat5.get_parameter(name)):
-            raise SystemExit(f"{name} differs between the two models after the copy")
+    transformers_model = t5_carrying_weights_of(fat5, **common)
     return fat5, transformers_model
 
 
