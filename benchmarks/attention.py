@@ -53,11 +53,17 @@ BREAKDOWN_TOKENS = 32768  # the base-shape training step's encoder: 32 x 1024, 4
 BREAKDOWN_LENGTHS = [1024, 8192]
 CEILINGS = ("sdpa_cudnn_no_bias", "sdpa_flash_no_bias")  # bias-free peers, compared with the bias-free reference
 BIASED_PEERS = ("fat5", "flex", "sdpa_materialised", "sdpa_cudnn_materialised")
+# The routes issue 24 names for short lengths, where T5 shares one (1, heads, L, L) bias across a stack's layers:
+# the table frozen (LoRA finetuning, inference), FAT5's kernels reading the bias materialised once, cuDNN handed the
+# materialised bias (it has no kernel for a bias that takes a gradient). The bias is materialised outside the
+# timed call: a stack pays it once for all its layers.
+FROZEN_ROUTES = ("fat5_frozen", "fat5_explicit_frozen", "sdpa_cudnn_frozen_bias")
 TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-attention, None for self-attention)
     ("t5_d64", "t5", 64, CEILINGS + BIASED_PEERS, None),
     ("cross_d64", "none", 64, CEILINGS + ("fat5",), 4),
     ("t5_d128", "t5", 128, CEILINGS + BIASED_PEERS, None),
     ("alibi_d64", "alibi", 64, CEILINGS + ("fat5", "flex"), None),
+    ("t5_routes_d64", "t5", 64, ("sdpa_cudnn_no_bias", "fat5") + FROZEN_ROUTES, None),
 ]
 DEFAULT_TABLES = ("t5_d64", "cross_d64")
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers])
@@ -139,6 +145,8 @@ def implementation(name, position_encoding, causal, length, head_dim):
         def run(q, k, v, position):
             return compiled(q, k, v, position, block_mask)
         return run
+    if name in FROZEN_ROUTES:
+        return _frozen_route(name, causal, length)
     if name in ("sdpa_materialised", "sdpa_cudnn_materialised"):
         from fat5.kernels.position_bias import t5_position_bias
 
@@ -153,6 +161,40 @@ def implementation(name, position_encoding, causal, length, head_dim):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype), scale=1.0)
         return run
     raise ValueError(name)
+
+
+def _frozen_route(name, causal, length):
+    """A route of FROZEN_ROUTES: the table takes no gradient; the materialised bias is made on the first call and
+    kept (the causal mask folded into it for cuDNN, which then runs without ``is_causal``)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fat5.kernels.attention import attention
+    from fat5.kernels.position_bias import PositionBias, t5_position_bias
+
+    materialised = {}
+
+    def bias_of(position):
+        if "bias" not in materialised:
+            bias = t5_position_bias(position.detach(), length, length, 0, not causal, NUM_BUCKETS, MAX_DISTANCE)
+            if name == "sdpa_cudnn_frozen_bias":
+                if causal:
+                    hidden = torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)
+                    bias = bias.masked_fill(hidden, float("-inf"))
+                bias = bias.to(torch.bfloat16)
+            materialised["bias"] = bias[None].contiguous()
+        return materialised["bias"]
+
+    def run(q, k, v, position):
+        if name == "fat5_frozen":
+            return attention(q, k, v, causal=causal, backend="triton",
+                             position_bias=position_bias("t5", position.detach(), causal))
+        if name == "fat5_explicit_frozen":
+            return attention(q, k, v, causal=causal, backend="triton",
+                             position_bias=PositionBias.explicit(bias_of(position)))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias_of(position).to(q.dtype), scale=1.0)
+    return run
 
 
 _FLEX = {}
@@ -225,7 +267,8 @@ def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TO
     run = implementation(name, position_encoding, causal, length, head_dim)
     out = run(q, k, v, position)
     grad_out = torch.randn_like(out)
-    differentiable = [q, k, v] + ([position] if position.requires_grad and name not in CEILINGS else [])
+    frozen = name in CEILINGS or name in FROZEN_ROUTES
+    differentiable = [q, k, v] + ([position] if position.requires_grad and not frozen else [])
     grads = torch.autograd.grad(out, differentiable, grad_out)
     reference = [t.detach().float().requires_grad_() for t in (q, k, v, position)]
     expected = attention(
@@ -525,13 +568,14 @@ def benchmark(args):
         for causal in _modes(query_divisor):
             for length in lengths:
                 for name in peers:
-                    if name in ("fat5", "flex"):
+                    if name in ("fat5", "flex") or name.startswith("fat5_"):
                         tasks.append((name, position_encoding, causal, length, head_dim, (), query_divisor or 1))
-    tasks += [("decode", "t5", True, cache, 64, ()) for cache in DECODE_CACHES]
+    decode_caches = [] if args.skip_decoding else DECODE_CACHES
+    tasks += [("decode", "t5", True, cache, 64, ()) for cache in decode_caches]
     warm_caches(tasks, args.jobs)
 
     results = {"copy_gb_per_s": copy_bandwidth_gbs(), "tables": {}, "decoding": [], "summary": []}
-    for cache in DECODE_CACHES:
+    for cache in decode_caches:
         for name in ("fat5", "sdpa_flash_no_bias"):
             row = {"implementation": name, "cache": cache, "batch": DECODE_BATCH, **decoding(cache, name)}
             row["fraction_of_copy_bandwidth"] = row["graph_gb_per_s"] / results["copy_gb_per_s"]
@@ -577,11 +621,12 @@ def _modes(query_divisor):
 
 
 def _ratios(table_name, rows):
-    """FAT5 against the no-bias ceilings (cuDNN, FlashAttention-2) and against FlexAttention, per length and mode."""
+    """FAT5 (and its routes) against the no-bias ceilings (cuDNN, FlashAttention-2) and against FlexAttention, per
+    length and mode; the frozen routes too, where the table takes no gradient."""
     index = {(r["implementation"], r["causal"], r["length"]): r for r in rows}
     summary = []
     for (name, causal, length), row in sorted(index.items(), key=lambda item: (item[0][1], item[0][2])):
-        if name != "fat5":
+        if name != "fat5" and name not in FROZEN_ROUTES or "tflops" not in row.get("forward_backward", {}):
             continue
         cudnn = index.get(("sdpa_cudnn_no_bias", causal, length), {})
         flash = index.get(("sdpa_flash_no_bias", causal, length), {})
@@ -594,7 +639,7 @@ def _ratios(table_name, rows):
                 return None
 
         summary.append({
-            "table": table_name, "causal": causal, "L": length,
+            "table": table_name, "implementation": name, "causal": causal, "L": length,
             "fwd TFLOP/s": round(row["forward"]["tflops"], 1),
             "fwd+bwd TFLOP/s": round(row["forward_backward"]["tflops"], 1),
             "fwd / cuDNN": ratio(row, cudnn, "forward"),
@@ -637,6 +682,7 @@ def plot(document, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/attention.json")
+    parser.add_argument("--skip-decoding", action="store_true", help="leave out the decoding step's table")
     parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations instead")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the T5 encoder's forward and backward without parts of the bias instead")
