@@ -38,7 +38,7 @@ from transformers.generation import GenerateEncoderDecoderOutput
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .kernels.activation import ACTIVATIONS, gated_activation
+from .kernels.activation import gated_activation
 from .kernels.attention import attention
 from .kernels.dispatch import use_triton
 from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
@@ -133,6 +133,10 @@ class _DecoderWeights:
     lm_head: torch.Tensor
     position_bias: list[PositionBias]
     t5_bias_rows: list[torch.Tensor | None]
+    # the modules' own choices, which later edits of the config do not change
+    norm_backend: str
+    attention_backend: str
+    activation_backend: str | None  # None: transformers' ACT2FN module
 
     @staticmethod
     @torch.no_grad()
@@ -145,6 +149,7 @@ class _DecoderWeights:
         if config.scale_decoder_outputs:
             final_norm = final_norm * model.model_dim**-0.5
         position_bias = _position_biases(model, self_attentions)
+        attention_backend = self_attentions[0].backend
         return _DecoderWeights(
             embedding=model.decoder.embed_tokens.weight,
             norms=[tuple(sub.layer_norm.weight for sub in block.layer) for block in blocks],
@@ -158,7 +163,10 @@ class _DecoderWeights:
             final_norm=final_norm,
             lm_head=model.lm_head.weight,
             position_bias=position_bias,
-            t5_bias_rows=[_t5_bias_rows(config, bias) for bias in position_bias],
+            t5_bias_rows=[_t5_bias_rows(attention_backend, bias) for bias in position_bias],
+            norm_backend=model.decoder.final_layer_norm.backend,
+            attention_backend=attention_backend,
+            activation_backend=feed_forwards[0].activation_backend,
         )
 
 
@@ -185,8 +193,8 @@ def _position_biases(model, self_attentions) -> list[PositionBias]:
     return [NO_POSITION_BIAS] * len(self_attentions)
 
 
-def _t5_bias_rows(config, position_bias: PositionBias) -> torch.Tensor | None:
-    if position_bias.kind != "t5" or not use_triton(config.attention_backend, position_bias.tensor):
+def _t5_bias_rows(backend: str, position_bias: PositionBias) -> torch.Tensor | None:
+    if position_bias.kind != "t5" or not use_triton(backend, position_bias.tensor):
         return None
     from .kernels.attention_triton import t5_bias_rows
 
@@ -209,17 +217,16 @@ def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
 
 
-def _norm(config, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    backend = config.attention_backend if config.use_fused_rms_norm else "reference"
-    return rms_norm(hidden_states, weight, config.layer_norm_epsilon, backend=backend)
+def _norm(config, weights, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, weight, config.layer_norm_epsilon, backend=weights.norm_backend)
 
 
-def _attend(config, query, key, value, position_bias=NO_POSITION_BIAS, bias_rows=None, causal=False,
+def _attend(config, weights, query, key, value, position_bias=NO_POSITION_BIAS, bias_rows=None, causal=False,
             key_padding_mask=None, query_offset=None) -> torch.Tensor:
     """(batch, heads, 1, head_dim) attention output: FAT5's decoding kernel, or its reference off the GPU."""
     arguments = {"position_bias": position_bias, "scale": config.effective_attention_scale, "causal": causal,
                  "key_padding_mask": key_padding_mask}
-    if use_triton(config.attention_backend, query):
+    if use_triton(weights.attention_backend, query):
         from .kernels.attention_triton import decode_attention
 
         return decode_attention(query, key, value, t5_bias_rows=bias_rows, query_offset=query_offset, **arguments)
@@ -229,40 +236,39 @@ def _attend(config, query, key, value, position_bias=NO_POSITION_BIAS, bias_rows
 
 def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
     batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
-    normed = _norm(config, hidden_states, weights.norms[layer][0])
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][0])
     query_key_value = nn.functional.linear(normed, weights.query_key_value[layer]).view(batch, 3, heads, 1, head_dim)
     query, key_value = query_key_value[:, 0], query_key_value[:, 1:].transpose(0, 1)
     if config.position_encoding == "rope":
         position_ids = buffers.position.view(1, 1)
-        query = apply_rotary(query, position_ids, config.rope_theta, backend=config.attention_backend)
-        key = apply_rotary(key_value[0], position_ids, config.rope_theta, backend=config.attention_backend)
+        query = apply_rotary(query, position_ids, config.rope_theta, backend=weights.attention_backend)
+        key = apply_rotary(key_value[0], position_ids, config.rope_theta, backend=weights.attention_backend)
         key_value = torch.stack((key, key_value[1]))
     cache = buffers.self_cache[layer]
     cache.index_copy_(3, buffers.position, key_value)
-    output = _attend(config, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
+    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
                      causal=True, query_offset=buffers.position)
     return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
 
 
 def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
     batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
-    normed = _norm(config, hidden_states, weights.norms[layer][1])
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][1])
     query = nn.functional.linear(normed, weights.cross_query[layer]).view(batch, heads, 1, head_dim)
     key, value = buffers.cross_key_value_of(layer)
-    output = _attend(config, query, key, value, key_padding_mask=buffers.cross_mask)
+    output = _attend(config, weights, query, key, value, key_padding_mask=buffers.cross_mask)
     return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
 
 
 def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
-    normed = _norm(config, hidden_states, weights.norms[layer][2])
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][2])
     projection = weights.feed_forward_input[layer]
-    fused = config.use_fused_activation and config.dense_act_fn in ACTIVATIONS
     if config.is_gated_act:
         gate, linear = torch.matmul(normed, projection)  # one batched product: (2, batch, d_ff)
     else:
         gate, linear = nn.functional.linear(normed, projection), None
-    if fused:
-        activated = gated_activation(gate, linear, config.dense_act_fn, config.attention_backend)
+    if weights.activation_backend is not None:
+        activated = gated_activation(gate, linear, config.dense_act_fn, weights.activation_backend)
     else:
         activated = ACT2FN[config.dense_act_fn](gate)
         activated = activated if linear is None else activated * linear
@@ -276,7 +282,7 @@ def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -
         hidden_states = _clamp_fp16(_self_attention(config, weights, buffers, layer, hidden_states))
         hidden_states = _clamp_fp16(_cross_attention(config, weights, buffers, layer, hidden_states))
         hidden_states = _clamp_fp16(_feed_forward(config, weights, layer, hidden_states))
-    return nn.functional.linear(_norm(config, hidden_states, weights.final_norm), weights.lm_head)
+    return nn.functional.linear(_norm(config, weights, hidden_states, weights.final_norm), weights.lm_head)
 
 
 # ----------------------------------------------------------------------------------------------------------------

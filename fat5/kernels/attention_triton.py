@@ -776,7 +776,7 @@ def decode_attention(
     """The forward of :func:`flash_attention` alone, for inference (nothing recorded for autograd): a decoding step
     replayed from a CUDA graph. ``query_offset``: a one-element integer tensor on the device, read in place, or
     None for 0; ``t5_bias_rows``: :func:`t5_bias_rows` of ``position_bias``, made once instead of at every call."""
-    batch, num_heads, query_length, head_dim = query.shape
+    _, num_heads, query_length, head_dim = query.shape
     _check_triton_arguments(query, position_bias, num_heads, 0.0)
     if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
         raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {key_padding_mask.dtype}")
