@@ -401,7 +401,8 @@ class _DecodingGraph:
 class GraphedDecodingState:
     """What a model keeps for the graphed loop: the derived weights, while its parameters are unchanged, and up to
     ``MAX_KEPT_GRAPHS`` graphs with their buffers, least recently used dropped first. ``weight_builds`` and
-    ``graph_builds`` count how often each was made (tests and benchmarks read them)."""
+    ``graph_builds`` count how often each was made, ``graph_uses`` the calls served (tests and benchmarks read
+    them)."""
 
     def __init__(self):
         self.weights_key = None
@@ -409,6 +410,7 @@ class GraphedDecodingState:
         self.graphs: OrderedDict = OrderedDict()
         self.weight_builds = 0
         self.graph_builds = 0
+        self.graph_uses = 0
 
     def graph_for(self, model, key: _GraphKey) -> _DecodingGraph:
         weights_key = _weights_key(model)
@@ -416,6 +418,7 @@ class GraphedDecodingState:
             self.graphs.clear()
             self.weights, self.weights_key = _DecoderWeights.of(model), weights_key
             self.weight_builds += 1
+        self.graph_uses += 1
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return self.graphs[key]
