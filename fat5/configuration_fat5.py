@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
 INITIALIZATIONS = ("t5x", "transformers")
+GRAPHED_DECODING_MODES = ("auto", "always", "never")
 
 
 class FAT5Config(PretrainedConfig):
@@ -79,6 +80,15 @@ class FAT5Config(PretrainedConfig):
         fire_mlp_width (`int`, defaults to 32): hidden width of FIRE's MLP.
         fire_init_c (`float`, defaults to 0.1): initial value of FIRE's learnable log-transform scale `c`.
         fire_init_threshold (`float`, defaults to 512.0): initial value of FIRE's learnable length threshold `L`.
+        graphed_decoding (`str`, defaults to `"auto"`): how `FAT5ForConditionalGeneration.generate` decodes greedily
+            or by sampling with one beam. `"auto"`: on a GPU, through FAT5's own loop (`graphed_decoding.py`): a
+            decoding step of few kernels replayed from CUDA graphs, the same ids as transformers' loop, for the
+            options that loop follows (max_new_tokens / max_length, min_new_tokens / min_length, eos / pad /
+            decoder_start ids, do_sample, temperature, top_k, top_p, repetition_penalty and the other logits
+            processors that the generation config builds, return_dict_in_generate with `sequences`), transformers'
+            loop for anything else (beam search, scores, attentions, hidden states, custom logits processors or
+            stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU too (the same step,
+            run eagerly). `"never"`: transformers' loop.
         initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
             checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's
             T5 v1.1 draw, in which an untied `lm_head` has std `d_model**-0.5`, so that pretraining starts from a
@@ -137,6 +147,7 @@ class FAT5Config(PretrainedConfig):
         fire_init_c: float = 0.1,
         fire_init_threshold: float = 512.0,
         initialization: str = "t5x",
+        graphed_decoding: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -172,6 +183,7 @@ class FAT5Config(PretrainedConfig):
         self.fire_init_c = fire_init_c
         self.fire_init_threshold = fire_init_threshold
         self.initialization = initialization
+        self.graphed_decoding = graphed_decoding
         # transformers passes `is_decoder` when it builds the decoder stack's copy of the config
         kwargs.setdefault("is_decoder", False)
         super().__init__(
@@ -257,6 +269,10 @@ class FAT5Config(PretrainedConfig):
             raise ValueError(
                 f"FAT5Config.initialization must be one of {INITIALIZATIONS} (T5X's draw, or transformers' T5 draw for "
                 f"parity tests), got {self.initialization!r}"
+            )
+        if self.graphed_decoding not in GRAPHED_DECODING_MODES:
+            raise ValueError(
+                f"FAT5Config.graphed_decoding must be one of {GRAPHED_DECODING_MODES}, got {self.graphed_decoding!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"FAT5Config.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -26,7 +26,7 @@ import torch
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
-REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "token_layout.py")
+REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py")
 KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:

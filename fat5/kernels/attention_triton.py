@@ -268,9 +268,11 @@ class _CallOptions:
         return self.position_kind in ("t5", "bias")
 
 
-def _position_arguments(position: PositionBias, problem):
+def _position_arguments(position: PositionBias, problem, t5_bias_rows=None):
     """(bias pointer, its four strides, MAX_DISTANCE, T5 bucket of each relative position) for the kernels; T5
-    gets its bias-by-distance rows."""
+    gets its bias-by-distance rows (``t5_bias_rows`` when given: no buckets then, the forward needs none)."""
+    if position.kind == "t5" and t5_bias_rows is not None:
+        return t5_bias_rows, (0, t5_bias_rows.stride(0), 0, 0), position.max_distance, None
     if position.kind == "t5":
         buckets, bias_by_distance = _t5_bias_by_distance(
             position.tensor, position.bidirectional, position.num_buckets, position.max_distance
@@ -294,9 +296,10 @@ def _expand_bias(attn_bias: torch.Tensor, problem: _Problem) -> torch.Tensor:
 
 def _forward(
     query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options: _CallOptions,
-    query_offset_tensor=None,
+    query_offset_tensor=None, t5_bias_rows=None,
 ):
-    """``query_offset_tensor``, when given, replaces ``options.query_offset``: the kernel reads the offset from it."""
+    """``query_offset_tensor``, when given, replaces ``options.query_offset``: the kernel reads the offset from it.
+    ``t5_bias_rows``: the T5 bias by relative position made beforehand (:func:`t5_bias_rows`)."""
     problem = _Problem.of(query, key, cu_seqlens_q, options.max_seqlen_q, options.max_seqlen_k)
     position = options.position_bias(position_tensor)
     device = query.device
@@ -322,7 +325,7 @@ def _forward(
     is_split = num_splits > 1
 
     with device_guard(device):
-        bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem)
+        bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem, t5_bias_rows)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
         if is_split:
             partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
@@ -744,4 +747,42 @@ def flash_attention_varlen(
         query, key, value, None, position_tensor, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
         options, query_offset_tensor,
     )
+    return out if out.shape[-1] == head_dim else out[..., :head_dim]
+
+
+def t5_bias_rows(position_bias: PositionBias) -> torch.Tensor:
+    """The (heads, 2 * max_distance + 3) fp32 rows of a T5 ``position_bias`` by relative position, which every
+    forward launch of the kernels otherwise makes again: for :func:`decode_attention`, that makes them once while
+    the table does not change."""
+    if position_bias.kind != "t5":
+        raise ValueError(f"t5_bias_rows needs a T5 PositionBias, got a {position_bias.kind!r} one")
+    return _t5_bias_by_distance(
+        position_bias.tensor, position_bias.bidirectional, position_bias.num_buckets, position_bias.max_distance
+    )[1]
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    position_bias: PositionBias = NO_POSITION_BIAS,
+    t5_bias_rows: torch.Tensor | None = None,
+    scale: float = 1.0,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    query_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The forward of :func:`flash_attention` alone, for inference (nothing recorded for autograd): a decoding step
+    replayed from a CUDA graph. ``query_offset``: a one-element integer tensor on the device, read in place, or
+    None for 0; ``t5_bias_rows``: :func:`t5_bias_rows` of ``position_bias``, made once instead of at every call."""
+    _, num_heads, query_length, head_dim = query.shape
+    _check_triton_arguments(query, position_bias, num_heads, 0.0)
+    if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = attend), got {key_padding_mask.dtype}")
+    options = _CallOptions.of(position_bias, query_length, key.shape[2], scale, causal, 0)
+    query, key, value = _prepare((query, key, value), head_dim)
+    offset = None if query_offset is None else query_offset.reshape(1)
+    out, _ = _forward(query, key, value, key_padding_mask, _position_tensor(position_bias), None, None, options,
+                      offset, t5_bias_rows)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]

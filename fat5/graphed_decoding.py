@@ -1,0 +1,486 @@
+"""FAT5's greedy and sampled decoding through a decoding step of few kernels, replayed from CUDA graphs.
+
+``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_decoding_applies` says so:
+transformers prepares the call as for its own loop (generation config, the encoder's outputs, logits processors,
+stopping criteria) and runs :func:`graphed_decode` as its ``custom_generate`` loop. What differs from transformers'
+loop, where FAT5's step is some 330 kernels, launched by the host between ``generate``'s own bookkeeping:
+
+- the step (:func:`_decoder_step`): per decoder layer one product for self-attention's q, k and v, one for the
+  feed-forward's input projections, the residual added by each output projection (``addmm``), FAT5's RMSNorm,
+  attention and activation kernels; the cross-attention keys and values of every layer come from one product of the
+  encoder's output at the start of the call; T5's bias by relative position is made once per version of the weights,
+  not by every attention launch. These derived weights (:class:`_DecoderWeights`) are kept on the model and made
+  again when a parameter changes (its ``data_ptr()`` or ``_version``: an in-place change through ``.data`` is not
+  seen).
+- static buffers for one (batch, encoder length bucket, cache length bucket, ...) and, on a GPU, a CUDA graph of
+  the step over them (:class:`_DecodingGraph`); an encoder length is rounded up to its bucket (the keys beyond it
+  are masked) and the self-attention cache holds ``max_length - 1`` positions rounded up, so that calls of other
+  lengths replay a graph already captured. At most ``MAX_KEPT_GRAPHS`` are kept, the least recently used dropped.
+  On a CPU the same step runs eagerly.
+- the loop (:func:`_run`): greedy decoding without logits processors picks the token inside the graph; otherwise
+  transformers' own processors (and sampling) run eagerly on the step's logits. Finished rows are tracked on the
+  device (tokens after EOS are ``pad_token_id``, as in transformers) and the host looks at them every
+  ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly the random numbers that
+  transformers' loop draws.
+
+Anything this loop does not follow (beam search, scores, attentions, custom stopping criteria, a decoder prefix...)
+keeps transformers' loop, unchanged.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin
+from transformers.activations import ACT2FN
+from transformers.generation import GenerateEncoderDecoderOutput
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .kernels.activation import gated_activation
+from .kernels.attention import attention
+from .kernels.dispatch import use_triton
+from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
+from .kernels.rms_norm import rms_norm
+from .kernels.rotary import apply_rotary
+
+MAX_KEPT_GRAPHS = 4
+HOST_CHECK_EVERY = 16
+# FIRE evaluates its MLP for every query position: its bias would have to be made inside the step
+_POSITION_ENCODINGS = ("t5", "alibi", "rope", "none")
+# generate's arguments that only transformers' loop follows
+_LOOP_ARGUMENTS = (
+    "assistant_model", "streamer", "custom_generate", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+    "negative_prompt_attention_mask", "synced_gpus", "tokenizer", "assistant_tokenizer", "cache", "past_key_values",
+    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "use_cache",
+)
+_OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# When the loop applies
+
+
+def graphed_decoding_applies(model, generation_config, kwargs: dict) -> bool:
+    """Whether ``model.generate(generation_config=generation_config, **kwargs)`` takes :func:`graphed_decode`:
+    ``config.graphed_decoding`` allows it here, the model is in eval mode with plain weights, and the call asks for
+    greedy or sampled decoding (one beam) with options that the loop follows."""
+    mode = model.config.graphed_decoding
+    if mode == "never" or (mode == "auto" and model.device.type != "cuda"):
+        return False
+    if model.training or unsupported_model_reason(model) is not None:
+        return False
+    if any(kwargs.get(name) is not None for name in _LOOP_ARGUMENTS):
+        return False
+    if kwargs.get("logits_processor") or kwargs.get("stopping_criteria"):
+        return False
+    config, _ = model._prepare_generation_config(generation_config, **kwargs)
+    if config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return False
+    asks_more = any(getattr(config, name, False) for name in _OUTPUT_OPTIONS)
+    return not asks_more and config.stop_strings is None and config.max_time is None
+
+
+def unsupported_model_reason(model) -> str | None:
+    """Why the graphed step cannot stand for this model's decoder, or None when it can."""
+    config = model.config
+    if config.position_encoding not in _POSITION_ENCODINGS:
+        return f"position_encoding={config.position_encoding!r} (supported: {_POSITION_ENCODINGS})"
+    linears = [module for module in model.decoder.modules() if isinstance(module, nn.Linear)] + [model.lm_head]
+    if any(type(module) is not nn.Linear or module.bias is not None for module in linears):
+        return "a decoder projection is not a plain bias-free nn.Linear (an adapter wraps it)"
+    parameters = [*model.decoder.parameters(), model.lm_head.weight]
+    if len({(parameter.dtype, parameter.device) for parameter in parameters}) != 1:
+        return "the decoder's parameters differ in dtype or device"
+    if not parameters[0].dtype.is_floating_point:
+        return f"the decoder's weights are {parameters[0].dtype} (quantised)"
+    return None
+
+
+def _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) -> str | None:
+    if input_ids.shape[1] != 1:
+        return "a decoder prefix"
+    if any(type(criterion) not in (MaxLengthCriteria, EosTokenCriteria) for criterion in stopping_criteria):
+        return "stopping criteria other than max_length and eos_token_id"
+    if model_kwargs.get("encoder_outputs") is None or model_kwargs.get("decoder_attention_mask") is not None:
+        return "no encoder outputs, or a decoder attention mask"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Derived weights
+
+
+def _weights_key(model) -> tuple:
+    return tuple((parameter.data_ptr(), parameter._version) for parameter in model.parameters())
+
+
+@dataclass
+class _DecoderWeights:
+    """The decoder's weights as the step reads them: concatenated where one product replaces several."""
+
+    embedding: torch.Tensor
+    norms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per layer: self-attention, cross, feed-forward
+    query_key_value: list[torch.Tensor]  # (3 * inner, d_model)
+    self_output: list[torch.Tensor]
+    cross_query: list[torch.Tensor]
+    cross_output: list[torch.Tensor]
+    cross_key_value: torch.Tensor  # (layers * 2 * inner, d_model): every layer's k then v
+    feed_forward_input: list[torch.Tensor]  # gated: (2, d_model, d_ff), wi_0 then wi_1, transposed; else wi
+    feed_forward_output: list[torch.Tensor]
+    final_norm: torch.Tensor  # times d_model**-0.5 when the head's input is scaled (tied embeddings)
+    lm_head: torch.Tensor
+    position_bias: list[PositionBias]
+    t5_bias_rows: list[torch.Tensor | None]
+    # the modules' own choices, which later edits of the config do not change
+    norm_backend: str
+    attention_backend: str
+    activation_backend: str | None  # None: transformers' ACT2FN module
+
+    @staticmethod
+    @torch.no_grad()
+    def of(model) -> "_DecoderWeights":
+        config, blocks = model.config, model.decoder.block
+        self_attentions = [block.layer[0].SelfAttention for block in blocks]
+        crosses = [block.layer[1].EncDecAttention for block in blocks]
+        feed_forwards = [block.layer[2].DenseReluDense for block in blocks]
+        final_norm = model.decoder.final_layer_norm.weight
+        if config.scale_decoder_outputs:
+            final_norm = final_norm * model.model_dim**-0.5
+        position_bias = _position_biases(model, self_attentions)
+        attention_backend = self_attentions[0].backend
+        return _DecoderWeights(
+            embedding=model.decoder.embed_tokens.weight,
+            norms=[tuple(sub.layer_norm.weight for sub in block.layer) for block in blocks],
+            query_key_value=[torch.cat((a.q.weight, a.k.weight, a.v.weight)) for a in self_attentions],
+            self_output=[attention_.o.weight for attention_ in self_attentions],
+            cross_query=[cross.q.weight for cross in crosses],
+            cross_output=[cross.o.weight for cross in crosses],
+            cross_key_value=torch.cat([weight for cross in crosses for weight in (cross.k.weight, cross.v.weight)]),
+            feed_forward_input=[_feed_forward_input(feed_forward) for feed_forward in feed_forwards],
+            feed_forward_output=[feed_forward.wo.weight for feed_forward in feed_forwards],
+            final_norm=final_norm,
+            lm_head=model.lm_head.weight,
+            position_bias=position_bias,
+            t5_bias_rows=[_t5_bias_rows(attention_backend, bias) for bias in position_bias],
+            norm_backend=model.decoder.final_layer_norm.backend,
+            attention_backend=attention_backend,
+            activation_backend=feed_forwards[0].activation_backend,
+        )
+
+
+def _feed_forward_input(feed_forward) -> torch.Tensor:
+    if hasattr(feed_forward, "wi"):
+        return feed_forward.wi.weight
+    return torch.stack((feed_forward.wi_0.weight, feed_forward.wi_1.weight)).transpose(1, 2)
+
+
+def _position_biases(model, self_attentions) -> list[PositionBias]:
+    """Each decoder layer's self-attention bias: the first layer's T5 table for all (each its own with
+    ``position_bias_per_layer``), ALiBi's slopes, or none (RoPE rotates q and k instead)."""
+    config = model.config
+    if config.position_encoding == "t5":
+        owners = self_attentions if config.position_bias_per_layer else [self_attentions[0]] * len(self_attentions)
+        return [
+            PositionBias.t5(owner.relative_attention_bias.weight, bidirectional=False,
+                            max_distance=config.relative_attention_max_distance)
+            for owner in owners
+        ]
+    if config.position_encoding == "alibi":
+        slopes = PositionBias.alibi(alibi_slopes(config.num_heads).to(model.lm_head.weight.device))
+        return [slopes] * len(self_attentions)
+    return [NO_POSITION_BIAS] * len(self_attentions)
+
+
+def _t5_bias_rows(backend: str, position_bias: PositionBias) -> torch.Tensor | None:
+    if position_bias.kind != "t5" or not use_triton(backend, position_bias.tensor):
+        return None
+    from .kernels.attention_triton import t5_bias_rows
+
+    return t5_bias_rows(position_bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The step
+
+
+def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+    # transformers' T5 clamps after each sub-layer in fp16, and FAT5's blocks do the same
+    if hidden_states.dtype != torch.float16:
+        return hidden_states
+    clamp_value = torch.where(
+        torch.isinf(hidden_states).any(),
+        torch.finfo(hidden_states.dtype).max - 1000,
+        torch.finfo(hidden_states.dtype).max,
+    )
+    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+
+
+def _norm(config, weights, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, weight, config.layer_norm_epsilon, backend=weights.norm_backend)
+
+
+def _attend(config, weights, query, key, value, position_bias=NO_POSITION_BIAS, bias_rows=None, causal=False,
+            key_padding_mask=None, query_offset=None) -> torch.Tensor:
+    """(batch, heads, 1, head_dim) attention output: FAT5's decoding kernel, or its reference off the GPU."""
+    arguments = {"position_bias": position_bias, "scale": config.effective_attention_scale, "causal": causal,
+                 "key_padding_mask": key_padding_mask}
+    if use_triton(weights.attention_backend, query):
+        from .kernels.attention_triton import decode_attention
+
+        return decode_attention(query, key, value, t5_bias_rows=bias_rows, query_offset=query_offset, **arguments)
+    offset = 0 if query_offset is None else query_offset
+    return attention(query, key, value, query_offset=offset, backend="reference", **arguments)
+
+
+def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][0])
+    query_key_value = nn.functional.linear(normed, weights.query_key_value[layer]).view(batch, 3, heads, 1, head_dim)
+    query, key_value = query_key_value[:, 0], query_key_value[:, 1:].transpose(0, 1)
+    if config.position_encoding == "rope":
+        position_ids = buffers.position.view(1, 1)
+        query = apply_rotary(query, position_ids, config.rope_theta, backend=weights.attention_backend)
+        key = apply_rotary(key_value[0], position_ids, config.rope_theta, backend=weights.attention_backend)
+        key_value = torch.stack((key, key_value[1]))
+    cache = buffers.self_cache[layer]
+    cache.index_copy_(3, buffers.position, key_value)
+    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
+                     causal=True, query_offset=buffers.position)
+    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
+
+
+def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][1])
+    query = nn.functional.linear(normed, weights.cross_query[layer]).view(batch, heads, 1, head_dim)
+    key, value = buffers.cross_key_value_of(layer)
+    output = _attend(config, weights, query, key, value, key_padding_mask=buffers.cross_mask)
+    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
+
+
+def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][2])
+    projection = weights.feed_forward_input[layer]
+    if config.is_gated_act:
+        gate, linear = torch.matmul(normed, projection)  # one batched product: (2, batch, d_ff)
+    else:
+        gate, linear = nn.functional.linear(normed, projection), None
+    if weights.activation_backend is not None:
+        activated = gated_activation(gate, linear, config.dense_act_fn, weights.activation_backend)
+    else:
+        activated = ACT2FN[config.dense_act_fn](gate)
+        activated = activated if linear is None else activated * linear
+    return torch.addmm(hidden_states, activated, weights.feed_forward_output[layer].t())
+
+
+def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -> torch.Tensor:
+    """The (batch, vocab) logits of the tokens in ``buffers.token`` at decoder position ``buffers.position``."""
+    hidden_states = nn.functional.embedding(buffers.token, weights.embedding)
+    for layer in range(len(weights.query_key_value)):
+        hidden_states = _clamp_fp16(_self_attention(config, weights, buffers, layer, hidden_states))
+        hidden_states = _clamp_fp16(_cross_attention(config, weights, buffers, layer, hidden_states))
+        hidden_states = _clamp_fp16(_feed_forward(config, weights, layer, hidden_states))
+    return nn.functional.linear(_norm(config, weights, hidden_states, weights.final_norm), weights.lm_head)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Static buffers and graphs
+
+
+def encoder_length_bucket(length: int) -> int:
+    """The encoder length a graph is captured for: a multiple of 128 up to 2048, of 1024 beyond."""
+    granule = 128 if length <= 2048 else 1024
+    return max(granule, -(-length // granule) * granule)
+
+
+def cache_length_bucket(positions: int) -> int:
+    """The self-attention cache length for ``positions`` decoder positions: a power of two, 64 at least."""
+    return max(64, 1 << (positions - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _GraphKey:
+    batch: int
+    encoder_length: int
+    cache_length: int
+    greedy_in_graph: bool
+    eos_token_ids: tuple[int, ...] | None
+    pad_token_id: int | None
+
+
+class _DecodingGraph:
+    """The static buffers of one :class:`_GraphKey` and the decoding step over them, captured in a CUDA graph on a
+    GPU (run eagerly elsewhere). ``position`` is the decoder position of ``token``; a step writes the next token at
+    ``position + 1`` of ``sequences``."""
+
+    def __init__(self, model, weights: _DecoderWeights, key: _GraphKey):
+        config, device, dtype = model.config, weights.lm_head.device, weights.lm_head.dtype
+        self.config, self.weights, self.key = config, weights, key
+        layers, heads, batch = len(weights.query_key_value), config.num_heads, key.batch
+        self.token = torch.zeros(batch, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.sequences = torch.zeros(batch, key.cache_length + 1, dtype=torch.long, device=device)
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.steps_taken = torch.zeros((), dtype=torch.long, device=device)
+        self.eos = None if key.eos_token_ids is None else torch.tensor(key.eos_token_ids, device=device)
+        # zeros: the slots that causal masking hides must hold no NaN for the products with their zero weights
+        self.self_cache = torch.zeros(layers, 2, batch, heads, key.cache_length, config.d_kv, dtype=dtype,
+                                      device=device)
+        self.cross_key_value = torch.zeros(batch, key.encoder_length, layers * 2 * heads * config.d_kv, dtype=dtype,
+                                           device=device)
+        self.cross_mask = torch.zeros(batch, key.encoder_length, dtype=torch.bool, device=device)
+        self.logits = None
+        self._replay = None
+
+    def cross_key_value_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cross-attention keys and values, (batch, heads, encoder_length, head_dim) views."""
+        batch, length = self.cross_mask.shape
+        layers = len(self.weights.query_key_value)
+        per_layer = self.cross_key_value.view(batch, length, layers, 2, self.config.num_heads, self.config.d_kv)
+        return per_layer[:, :, layer, 0].transpose(1, 2), per_layer[:, :, layer, 1].transpose(1, 2)
+
+    def start(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor | None, first_tokens: torch.Tensor):
+        """Project the encoder's states into every layer's cross-attention keys and values, and set the loop back
+        to position 0 with ``first_tokens`` (batch,)."""
+        length = encoder_states.shape[1]
+        self.cross_key_value[:, :length].copy_(nn.functional.linear(encoder_states, self.weights.cross_key_value))
+        self.cross_mask.zero_()
+        self.cross_mask[:, :length] = True if attention_mask is None else attention_mask.bool()
+        self.restart(first_tokens)
+
+    def restart(self, first_tokens: torch.Tensor) -> None:
+        self.token.copy_(first_tokens)
+        self.sequences[:, 0] = first_tokens
+        self.position.zero_()
+        self.unfinished.fill_(True)
+        self.steps_taken.zero_()
+
+    def _step(self) -> torch.Tensor:
+        logits = _decoder_step(self.config, self.weights, self)
+        if self.key.greedy_in_graph:
+            self.advance(logits.argmax(dim=-1))
+        return logits
+
+    def advance(self, next_tokens: torch.Tensor) -> None:
+        """Write the chosen tokens (pad after a row's EOS, as transformers does) and move to the next position."""
+        if self.eos is not None:
+            self.steps_taken.add_(self.unfinished.any())
+            next_tokens = torch.where(self.unfinished, next_tokens, self.key.pad_token_id)
+            self.unfinished.logical_and_(~torch.isin(next_tokens, self.eos))
+        self.sequences.index_copy_(1, self.position + 1, next_tokens[:, None])
+        self.token.copy_(next_tokens)
+        self.position.add_(1)
+
+    def replay(self) -> None:
+        """One decoding step: the captured graph on a GPU (captured at the first call), the calls eagerly elsewhere."""
+        if self._replay is None:
+            self._replay = self._capture() if self.token.is_cuda else self._eager_step
+        self._replay()
+
+    def _eager_step(self) -> None:
+        self.logits = self._step()
+
+    def _capture(self):
+        """Warm up on a side stream (kernels compiled, workspaces allocated), put the state back, then capture."""
+        first_tokens = self.token.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.restart(first_tokens)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._step()
+        return graph.replay
+
+
+class GraphedDecodingState:
+    """What a model keeps for the graphed loop: the derived weights, while its parameters are unchanged, and up to
+    ``MAX_KEPT_GRAPHS`` graphs with their buffers, least recently used dropped first. ``weight_builds`` and
+    ``graph_builds`` count how often each was made, ``graph_uses`` the calls served (tests and benchmarks read
+    them)."""
+
+    def __init__(self):
+        self.weights_key = None
+        self.weights = None
+        self.graphs: OrderedDict = OrderedDict()
+        self.weight_builds = 0
+        self.graph_builds = 0
+        self.graph_uses = 0
+
+    def graph_for(self, model, key: _GraphKey) -> _DecodingGraph:
+        weights_key = _weights_key(model)
+        if weights_key != self.weights_key:
+            self.graphs.clear()
+            self.weights, self.weights_key = _DecoderWeights.of(model), weights_key
+            self.weight_builds += 1
+        self.graph_uses += 1
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            return self.graphs[key]
+        while len(self.graphs) >= MAX_KEPT_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = _DecodingGraph(model, self.weights, key)
+        self.graph_builds += 1
+        return self.graphs[key]
+
+
+def graphed_decoding_state(model) -> GraphedDecodingState:
+    """The model's :class:`GraphedDecodingState`, made at its first graphed call."""
+    state = model.__dict__.get("_graphed_decoding_state")
+    if state is None:
+        state = model.__dict__["_graphed_decoding_state"] = GraphedDecodingState()
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def graphed_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """``generate``'s decoding loop (its ``custom_generate``) for greedy and sampled decoding: transformers' own
+    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow."""
+    if _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) is not None:
+        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       **model_kwargs)
+    eos = next((criterion.eos_token_id for criterion in stopping_criteria if isinstance(criterion, EosTokenCriteria)),
+               None)
+    eos = None if eos is None else tuple(torch.as_tensor(eos).reshape(-1).tolist())
+    pad = generation_config._pad_token_tensor
+    max_length = generation_config.max_length
+    encoder_states = model_kwargs["encoder_outputs"][0]
+    key = _GraphKey(
+        batch=input_ids.shape[0], encoder_length=encoder_length_bucket(encoder_states.shape[1]),
+        cache_length=cache_length_bucket(max_length - 1), greedy_in_graph=not generation_config.do_sample
+        and len(logits_processor) == 0, eos_token_ids=eos, pad_token_id=None if pad is None else int(pad),
+    )
+    graph = graphed_decoding_state(model).graph_for(model, key)
+    graph.start(encoder_states.to(graph.weights.lm_head.dtype), model_kwargs.get("attention_mask"), input_ids[:, 0])
+    length = _run(graph, max_length, logits_processor, generation_config.do_sample)
+    sequences = graph.sequences[:, :length].clone()
+    if generation_config.return_dict_in_generate:
+        return GenerateEncoderDecoderOutput(sequences=sequences)
+    return sequences
+
+
+def _run(graph: _DecodingGraph, max_length: int, logits_processor, do_sample: bool) -> int:
+    """Decode up to ``max_length`` positions (the first token included); returns the length of the sequences, which
+    ends where every row has finished, as transformers' loop stops."""
+    tracks_eos = graph.eos is not None
+    for length in range(1, max_length):
+        graph.replay()
+        if not graph.key.greedy_in_graph:
+            scores = logits_processor(graph.sequences[:, :length], graph.logits.to(torch.float32, copy=True))
+            if do_sample:
+                next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = torch.argmax(scores, dim=-1)
+            graph.advance(next_tokens)
+        looks = do_sample or length % HOST_CHECK_EVERY == 0
+        if tracks_eos and looks and not graph.unfinished.any():
+            break
+    return 1 + int(graph.steps_taken) if tracks_eos else max_length

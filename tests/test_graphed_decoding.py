@@ -1,0 +1,285 @@
+"""FAT5's graphed decoding loop (``fat5/graphed_decoding.py``) against transformers' T5 ``generate`` with the same
+weights (fp32, CPU: the step runs eagerly under ``graphed_decoding="always"``), and against FAT5's own
+``graphed_decoding="never"`` where transformers has no such model (ALiBi, RoPE, no position encoding); on a GPU the
+captured graph against the eager step.
+"""
+
+import pytest
+import torch
+from helpers import TINY, hf_and_fat5, padded_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.generation import GenerateEncoderDecoderOutput
+
+from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.graphed_decoding import cache_length_bucket, encoder_length_bucket, graphed_decoding_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _graphed(model):
+    model.config.graphed_decoding = "always"
+    return model
+
+
+@pytest.fixture(scope="module")
+def gated_untied():
+    """T5 v1.1 (gated-GELU, untied head) and the FAT5 with its weights."""
+    hf, fat5 = hf_and_fat5("t5v1.1")
+    return hf, _graphed(fat5)
+
+
+@pytest.fixture(scope="module")
+def relu_tied():
+    """T5 v1.0 (ReLU, head tied to the embedding, decoder output scaled by d_model**-0.5) and its FAT5."""
+    hf, fat5 = hf_and_fat5("t5")
+    return hf, _graphed(fat5)
+
+
+@pytest.fixture(scope="module", params=["gated_untied", "relu_tied"])
+def models(request):
+    return request.getfixturevalue(request.param)
+
+
+def generate_both(models, seed=5, **arguments):
+    """T5's then FAT5's output, each after seeding the generator alike (for sampling); asserts that FAT5's call went
+    through the graphed loop (a graph was built or replayed)."""
+    hf, fat5 = models
+    torch.manual_seed(seed)
+    expected = hf.generate(**arguments)
+    calls_before = _graph_uses(fat5)
+    torch.manual_seed(seed)
+    actual = fat5.generate(**arguments)
+    assert _graph_uses(fat5) == calls_before + 1, "FAT5's generate did not take the graphed loop"
+    return expected, actual
+
+
+def _graph_uses(model) -> int:
+    return graphed_decoding_state(model).graph_uses
+
+
+def batch_inputs(seed=1):
+    ids, mask, _ = padded_batch(seed)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def eos_met_early(models, **arguments) -> int:
+    """A token that T5's greedy decoding of the padded batch makes at its second step in the first row: as EOS,
+    rows finish at different steps."""
+    sequences = models[0].generate(**batch_inputs(), max_new_tokens=8, **arguments)
+    return int(sequences[0, 2])
+
+
+def test_greedy_padded_batch(models):
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=20)
+    assert torch.equal(actual, expected)
+
+
+def test_eos_early_pads_finished_rows(models):
+    eos = eos_met_early(models)
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=24, eos_token_id=eos)
+    assert torch.equal(actual, expected)
+    # the case is the one meant: a row ended by EOS and padded after it
+    ended = (actual[:, 1:] == eos).any(dim=1)
+    assert ended.any()
+
+
+def test_min_new_tokens_holds_eos_back(models):
+    eos = eos_met_early(models)
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=16, min_new_tokens=6, eos_token_id=eos)
+    assert torch.equal(actual, expected)
+    assert not (actual[:, 1:7] == eos).any()
+
+
+def test_max_length(models):
+    expected, actual = generate_both(models, **batch_inputs(), max_length=7)
+    assert torch.equal(actual, expected)
+    assert actual.shape == (3, 7)
+
+
+@pytest.mark.parametrize(
+    "settings_",
+    [
+        {"temperature": 0.7},
+        {"top_k": 5},
+        {"top_p": 0.8, "temperature": 1.3},
+        {"repetition_penalty": 1.5, "top_k": 20},
+    ],
+    ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()),
+)
+def test_sampling_draws_transformers_ids(gated_untied, settings_):
+    eos = eos_met_early(gated_untied)
+    expected, actual = generate_both(gated_untied, seed=11, **batch_inputs(), do_sample=True, max_new_tokens=12,
+                                     eos_token_id=eos, **settings_)
+    assert torch.equal(actual, expected)
+    # the same random numbers drawn: the generators are where they are after transformers' call
+    assert torch.equal(torch.rand(4), _rand_after(gated_untied[0], seed=11, **batch_inputs(), do_sample=True,
+                                                  max_new_tokens=12, eos_token_id=eos, **settings_))
+
+
+def test_sampling_stops_where_transformers_stops(models):
+    """Every row ends at its first sampled token: transformers draws once; so must FAT5 (its host looks at the rows
+    after every sampled step), and the tied model's scaled head must give transformers' distribution."""
+    inputs = {"input_ids": batch_inputs()["input_ids"][:1]}
+    torch.manual_seed(2)
+    eos = int(models[0].generate(**inputs, do_sample=True, max_new_tokens=1)[0, 1])
+    options = {"do_sample": True, "max_new_tokens": 12, "eos_token_id": eos, "temperature": 0.6}
+    expected, actual = generate_both(models, seed=2, **inputs, **options)
+    assert torch.equal(actual, expected)
+    assert actual.shape == (1, 2)
+    assert torch.equal(torch.rand(4), _rand_after(models[0], seed=2, **inputs, **options))
+
+
+def _rand_after(model, seed, **arguments):
+    torch.manual_seed(seed)
+    model.generate(**arguments)
+    return torch.rand(4)
+
+
+def test_return_dict_in_generate(gated_untied):
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=5, return_dict_in_generate=True)
+    assert type(actual) is type(expected) is GenerateEncoderDecoderOutput
+    assert torch.equal(actual.sequences, expected.sequences)
+
+
+def test_encoder_outputs_and_inputs_embeds(gated_untied):
+    hf, fat5 = gated_untied
+    inputs = batch_inputs()
+    expected = hf.generate(**inputs, max_new_tokens=6)
+    encoder_outputs = fat5.get_encoder()(**inputs)
+    given_outputs = fat5.generate(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"],
+                                  max_new_tokens=6)
+    embeds = fat5.get_input_embeddings()(inputs["input_ids"])
+    given_embeds = fat5.generate(inputs_embeds=embeds, attention_mask=inputs["attention_mask"], max_new_tokens=6)
+    assert torch.equal(given_outputs, expected)
+    assert torch.equal(given_embeds, expected)
+
+
+def test_lengths_of_one_bucket_reuse_the_buffers():
+    hf, fat5 = hf_and_fat5("t5v1.1", seed=7)
+    _graphed(fat5)
+    state = graphed_decoding_state(fat5)
+    inputs = batch_inputs()
+    generate_both((hf, fat5), **inputs, max_new_tokens=10)
+    builds = (state.weight_builds, state.graph_builds)
+    shorter = {"input_ids": inputs["input_ids"][:, :8], "attention_mask": inputs["attention_mask"][:, :8]}
+    expected, actual = generate_both((hf, fat5), **shorter, max_new_tokens=12)
+    assert torch.equal(actual, expected)
+    assert (state.weight_builds, state.graph_builds) == builds
+    # another batch size is another graph
+    generate_both((hf, fat5), input_ids=inputs["input_ids"][:2], max_new_tokens=12)
+    assert state.graph_builds == builds[1] + 1
+
+
+def test_changed_weights_are_derived_again():
+    hf, fat5 = hf_and_fat5("t5v1.1", seed=8)
+    _graphed(fat5)
+    state = graphed_decoding_state(fat5)
+    generate_both((hf, fat5), **batch_inputs(), max_new_tokens=8)
+    builds = state.weight_builds
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for model in (hf, fat5):
+            block = model.decoder.block[1]
+            noise = torch.randn(block.layer[0].SelfAttention.v.weight.shape, generator=generator.manual_seed(3))
+            block.layer[0].SelfAttention.v.weight.add_(noise)
+            block.layer[2].DenseReluDense.wo.weight.mul_(-1.0)
+    expected, actual = generate_both((hf, fat5), **batch_inputs(), max_new_tokens=8)
+    assert torch.equal(actual, expected)
+    assert state.weight_builds == builds + 1
+
+
+@pytest.mark.parametrize("options", [{"num_beams": 3}, {"output_scores": True, "return_dict_in_generate": True},
+                                     {"decoder_input_ids": torch.tensor([[0, 5]] * 3)}],
+                         ids=["beams", "scores", "decoder_prefix"])
+def test_other_options_take_transformers_loop(gated_untied, options):
+    hf, fat5 = gated_untied
+    uses = _graph_uses(fat5)
+    expected = hf.generate(**batch_inputs(), max_new_tokens=6, **options)
+    actual = fat5.generate(**batch_inputs(), max_new_tokens=6, **options)
+    sequences = getattr(actual, "sequences", actual)
+    assert torch.equal(sequences, getattr(expected, "sequences", expected))
+    assert _graph_uses(fat5) == uses
+
+
+def test_never_and_auto_on_cpu_keep_transformers_loop():
+    _, fat5 = hf_and_fat5("t5v1.1")
+    for mode in ("never", "auto"):
+        fat5.config.graphed_decoding = mode
+        fat5.generate(**batch_inputs(), max_new_tokens=3)
+        assert "_graphed_decoding_state" not in fat5.__dict__
+
+
+def test_umt5_tables_per_layer():
+    hf, fat5 = hf_and_fat5("umt5")
+    expected, actual = generate_both((hf, _graphed(fat5)), **batch_inputs(), max_new_tokens=12)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("position_encoding", ["alibi", "rope", "none"])
+def test_position_encodings_without_a_transformers_twin(position_encoding):
+    torch.manual_seed(0)
+    config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                        position_encoding=position_encoding, attention_backend="reference", attention_scale=None)
+    model = FAT5ForConditionalGeneration(config).eval()
+    outputs = {}
+    for mode in ("never", "always"):
+        model.config.graphed_decoding = mode
+        outputs[mode] = model.generate(**batch_inputs(), max_new_tokens=12)
+    assert torch.equal(outputs["always"], outputs["never"])
+
+
+def test_buckets():
+    assert [encoder_length_bucket(n) for n in (1, 128, 129, 2048, 2049, 65536)] == [128, 128, 256, 2048, 3072, 65536]
+    assert [cache_length_bucket(n) for n in (1, 64, 65, 127, 128, 129)] == [64, 64, 128, 128, 128, 256]
+
+
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 12), eos_step=st.integers(1, 4), seed=st.integers(0, 100))
+def test_property_greedy_with_eos(batch, length, eos_step, seed):
+    hf, fat5 = _property_models()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, TINY["vocab_size"], (batch, length), generator=generator)
+    lengths = torch.randint(1, length + 1, (batch,), generator=generator)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    inputs = {"input_ids": ids * mask, "attention_mask": mask}
+    eos = int(hf.generate(**inputs, max_new_tokens=eos_step)[0, eos_step])
+    expected, actual = generate_both((hf, fat5), **inputs, max_new_tokens=10, eos_token_id=eos)
+    assert torch.equal(actual, expected)
+
+
+_PROPERTY_MODELS = []
+
+
+def _property_models():
+    if not _PROPERTY_MODELS:
+        hf, fat5 = hf_and_fat5("t5v1.1", seed=4)
+        _PROPERTY_MODELS.extend((hf, _graphed(fat5)))
+    return _PROPERTY_MODELS
+
+
+@pytest.mark.gpu
+def test_cuda_graph_matches_eager_step_and_transformers_loop():
+    _, fat5 = hf_and_fat5("t5v1.1")
+    fat5 = fat5.cuda()
+    for module in fat5.modules():  # the modules keep the backend they were made with: Triton on the GPU
+        for name in ("backend", "activation_backend"):
+            if getattr(module, name, None) == "reference":
+                setattr(module, name, "auto")
+    inputs = {name: tensor.cuda() for name, tensor in batch_inputs().items()}
+    eos = int(fat5.generate(**inputs, max_new_tokens=8)[0, 2])
+    outputs = {}
+    for mode in ("never", "always"):
+        fat5.config.graphed_decoding = mode
+        outputs[mode] = fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos)
+    state = graphed_decoding_state(fat5)
+    (graph,) = state.graphs.values()
+    assert isinstance(graph._replay.__self__, torch.cuda.CUDAGraph)
+    assert torch.equal(outputs["always"], outputs["never"])
+    # the same buffers, the step run eagerly instead of replayed
+    graph._replay = graph._eager_step
+    assert torch.equal(fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos), outputs["never"])
+    fat5.to(torch.bfloat16)
+    bf16 = fat5.generate(**inputs, max_new_tokens=40)
+    assert bf16.shape[0] == 3
+    assert state.weight_builds == 2
