@@ -145,7 +145,7 @@ def measure_shape(models: dict, implementations: list[str], batch: int, input_le
         try:
             measured, sequences[name] = time_generation(models[model_name], ids, options, device)
             row.update(measured)
-        except Exception as error:  # noqa: BLE001 - recorded, and the grid goes on: one failing shape must not cost the others
+        except Exception as error:  # noqa: BLE001 - recorded: one failing shape must not cost the others
             row["error"] = error_summary(error)
         release(device, args.keep_compiled)
         progress({key: value for key, value in row.items() if key not in ("batch", "input_length", "new_tokens")})
@@ -362,7 +362,11 @@ def main(argv=None) -> None:
     results = {"grid": [], "long": [], "fp32_exactness": None}
     if not args.no_exactness:  # correctness first, and a run cut short by a time limit still has it
         exactness = TINY_SETTINGS["exactness"] if args.tiny else EXACTNESS
-        results["fp32_exactness"] = exactness_fp32(shape, device, *exactness)
+        try:
+            results["fp32_exactness"] = exactness_fp32(shape, device, *exactness)
+        except Exception as error:  # noqa: BLE001 - recorded: the speed grid is worth its GPU time all the same
+            results["fp32_exactness"] = {"error": error_summary(error)}
+            release(device)
         progress(f"fp32 exactness: {results['fp32_exactness']}")
     models = build_models(shape, device, torch.float32 if args.tiny else torch.bfloat16)
     progress(f"models built ({'tiny, fp32, CPU' if args.tiny else 'base, bf16'})")
