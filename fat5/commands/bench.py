@@ -20,10 +20,10 @@ def benchmark_names() -> list[str]:
 
 
 # the benchmarks that run without a GPU: always (None) or with the option that shrinks them to a CPU check
-CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "generation-profile": "--tiny",
-             "pretrain": "--tiny"}
-# options under which a benchmark measures nothing and writes no result
-NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only")
+CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "generation": "--tiny",
+             "generation-profile": "--tiny", "pretrain": "--tiny"}
+# options under which a benchmark measures nothing (and writes no result, or only one merged from result files)
+NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only", "--merge")
 RESULTS_FOLDER = Path("runs") / "bench"
 
 
@@ -35,8 +35,8 @@ def add_bench_command(subparsers) -> None:
         "`fat5 bench NAME --help` shows the script's own options. The result goes to a new file, "
         f"{RESULTS_FOLDER}/NAME-YYYYMMDD-HHMMSS.json under the checkout, unless `--out FILE` says where (the "
         "measured runs the README quotes are kept in benchmarks/results/, which `fat5 bench` never overwrites "
-        "unless given that path). Without CUDA, only collator runs as is; distributed, finetune and pretrain take "
-        "--tiny for a CPU check of their path; the others need a GPU.",
+        "unless given that path). Without CUDA, only collator runs as is; distributed, finetune, generation, "
+        "generation-profile and pretrain take --tiny for a CPU check of their path; the others need a GPU.",
     )
     parser.add_argument("benchmark", metavar="NAME", help=f"one of: {', '.join(benchmark_names()) or '(none found)'}")
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the script")

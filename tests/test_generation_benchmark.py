@@ -1,0 +1,100 @@
+"""benchmarks/generation.py's tiny mode, run as a user runs it (`fat5 bench generation --tiny`): the grid and the long
+input in two calls, then `--merge` of their files; the merged file holds every row, and the ids agree with
+transformers' T5."""
+
+import json
+
+import pytest
+
+from fat5.cli import main
+
+IMPLEMENTATIONS = ["fat5", "transformers-static", "transformers-dynamic"]
+# positive whatever the host's noise (a decoding step is the timed call's wall less the time to first token: on a busy
+# CPU with 4 new tokens the difference can fall below zero, so that one is only required to be there)
+TIMINGS = ["tokens_per_second", "ms_per_step", "time_to_first_token_ms", "first_call_s"]
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("generation")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        assert main(["bench", "generation", "--tiny", "--out", str(folder / "grid.json")]) == 0
+        assert main(["bench", "generation", "--tiny", "--long", "--long-transformers", "--no-exactness",
+                     "--out", str(folder / "long.json")]) == 0
+    assert main(["bench", "generation", "--merge", str(folder / "grid.json"), str(folder / "long.json"),
+                 "--out", str(folder / "merged.json")]) == 0
+    return folder / "merged.json", json.loads((folder / "merged.json").read_text())
+
+
+def test_every_grid_row_is_measured_and_fat5_decodes_transformers_ids(tiny_result):
+    _, document = tiny_result
+    grid = document["results"]["grid"]
+    shapes = {(row["batch"], row["input_length"]) for row in grid}
+    assert len(shapes) > 1
+    assert sorted((row["implementation"], row["batch"], row["input_length"]) for row in grid) == sorted(
+        (name, batch, length) for name in IMPLEMENTATIONS for batch, length in shapes)
+    for row in grid:
+        assert "error" not in row, row
+        assert all(row[timing] > 0 for timing in TIMINGS) and isinstance(row["decode_ms_per_step"], float), row
+        assert row["run"] == 0
+    # a tiny fp32 model on the CPU has no near ties for rounding to flip: transformers' ids are the truth
+    for row in grid:
+        if row["implementation"] != "transformers-static":
+            assert row["ids_compared_with"] == "transformers-static"
+            assert (row["equal_token_fraction"], row["first_divergent_step"]) == (1.0, None), row
+    exactness = document["results"]["fp32_exactness"]
+    assert exactness["ids_equal"] and exactness["max_logit_difference"] < 1e-4
+
+
+def test_ratios_are_fat5_over_transformers_of_the_same_shape(tiny_result):
+    _, document = tiny_result
+    speed = {(row["implementation"], row["batch"], row["input_length"]): row["tokens_per_second"]
+             for row in document["results"]["grid"]}
+    ratios = document["results"]["ratios"]
+    assert len(ratios) == len(speed) // len(IMPLEMENTATIONS)
+    for entry in ratios:
+        shape = (entry["batch"], entry["input_length"])
+        for peer in ("transformers-static", "transformers-dynamic"):
+            assert entry[f"fat5 / {peer}"] == pytest.approx(speed[("fat5", *shape)] / speed[(peer, *shape)], abs=1e-3)
+
+
+def test_the_long_input_run_is_merged_with_its_own_environment(tiny_result):
+    out, document = tiny_result
+    long = document["results"]["long"]
+    assert [row["implementation"] for row in long] == ["fat5", "transformers-dynamic"]
+    assert all(row["batch"] == 1 and row["input_length"] == 64 and row["run"] == 1 for row in long)
+    assert all("error" not in row and row["tokens_per_second"] > 0 for row in long)
+    assert [("--long" in run["command"]) for run in document["runs"]] == [False, True]
+    assert document["results"]["fp32_exactness"] is not None  # the grid's check, kept over the long run's none
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_an_implementation_out_of_memory_is_recorded_and_the_others_measured(monkeypatch):
+    """transformers' T5 at 4096 input tokens x batch 128 runs out of memory: the row says so and the grid goes on,
+    the others' ids then compared with the next reference."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+    from helpers import REPO
+
+    specification = importlib.util.spec_from_file_location("generation", REPO / "benchmarks" / "generation.py")
+    generation = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(generation)
+    models = generation.build_models(generation.TINY, "cpu", torch.float32)
+    generate = models["transformers"].generate
+
+    def generate_out_of_memory_with_a_static_cache(*inputs, **options):
+        if options.get("cache_implementation") == "static":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
+        return generate(*inputs, **options)
+
+    monkeypatch.setattr(models["transformers"], "generate", generate_out_of_memory_with_a_static_cache)
+    rows = generation.measure_shape(models, generation.DEFAULT_IMPLEMENTATIONS, 2, 16,
+                                    SimpleNamespace(new_tokens=3, keep_compiled=False), "cpu", print)
+    by_name = {row["implementation"]: row for row in rows}
+    assert by_name["transformers-static"]["error"] == "OOM" and "tokens_per_second" not in by_name["transformers-static"]
+    assert by_name["transformers-dynamic"]["tokens_per_second"] > 0
+    assert by_name["fat5"]["ids_compared_with"] == "transformers-dynamic"
+    assert by_name["fat5"]["equal_token_fraction"] == 1.0
