@@ -52,12 +52,21 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import draw_beside, environment, markdown_table, parse_or_plot, t5_carrying_weights_of, write_result
+from common import (
+    draw_beside,
+    environment,
+    kernel_ms_by_kind,
+    markdown_table,
+    parse_or_plot,
+    t5_carrying_weights_of,
+    write_result,
+)
 
 logger = logging.getLogger("benchmarks.pretrain")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -179,7 +188,7 @@ class StepRecorder:
                 torch.cuda.synchronize(device)
             self.clock.append((step, time.perf_counter()))
 
-    def summary(self, warmup_steps: int, peak_tflops: float | None) -> dict:
+    def summary(self, warmup_steps: int, peak_tflops: float | None, profiled_from: int | None = None) -> dict:
         steps = sorted(self.losses)
         losses = torch.stack([self.losses[s] for s in steps]).tolist()
         tokens = torch.stack([self.tokens[s] for s in steps]).double().cpu().numpy()
@@ -194,8 +203,9 @@ class StepRecorder:
                 "tokens_per_second": round(float(tokens[chosen].sum() / seconds), 1),
                 "tflops": round(float(flops[chosen].sum() / seconds / 1e12), 2),
                 "compiles": any(start < s <= end for s in self.new_shape_steps),
+                "profiled": profiled_from is not None and end >= profiled_from,
             })
-        steady = [w for w in windows if w["first_step"] > warmup_steps and not w["compiles"]]
+        steady = [w for w in windows if w["first_step"] > warmup_steps and not w["compiles"] and not w["profiled"]]
         result = {"steps": len(steps), "loss": [round(x, 5) for x in losses], "windows": windows,
                   "padding_fraction": round(float(1 - tokens.sum() / positions.sum()), 4),
                   "real_tokens_per_step": round(float(tokens.mean()), 1),
@@ -243,6 +253,92 @@ def clock_callback(recorder: StepRecorder, device: torch.device):
             recorder.tick(state.global_step, device)
 
     return Clock()
+
+
+class StepProfiler:
+    """Takes the last ``steps`` optimizer steps of a run apart (as ``model.py --profile`` does): one step timed on its
+    own (host enqueue time against device time, and its host synchronisations under
+    ``torch.cuda.set_sync_debug_mode``), then ``steps`` steps under ``torch.profiler``, the GPU's kernels summed by
+    kind (``KERNEL_KINDS``; each kernel of a CUDA-graph replay counts) and the host operators by self time. Those
+    steps are left out of the throughput (the profiler slows them)."""
+
+    def __init__(self, steps: int, last_step: int, device: torch.device, text_path: str, label: str):
+        self.steps, self.device, self.text_path, self.label = steps, device, text_path, label
+        self.timed_step = last_step - steps  # the step before the profiled ones
+        self.result, self.profiler, self.caught, self.warnings, self.events = None, None, None, [], []
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        profiler = self
+
+        class Profile(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                profiler.begin(state.global_step + 1)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                profiler.end(state.global_step)
+
+        return Profile()
+
+    def begin(self, step: int) -> None:
+        on_gpu = self.device.type == "cuda"
+        if step == self.timed_step:
+            if on_gpu:
+                torch.cuda.synchronize(self.device)
+                self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                self.events[0].record()
+            self.caught = warnings.catch_warnings(record=True)
+            self.warnings = self.caught.__enter__()
+            warnings.simplefilter("always")
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("warn")
+            self.started = time.perf_counter()
+        elif step == self.timed_step + 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+
+    def end(self, step: int) -> None:
+        on_gpu = self.device.type == "cuda"
+        if step == self.timed_step:
+            host_ms = (time.perf_counter() - self.started) * 1e3
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("default")
+                self.events[1].record()
+                torch.cuda.synchronize(self.device)
+            self.caught.__exit__(None, None, None)
+            # the first use of the debug mode also warns that it is a prototype: that notice is no synchronisation
+            # where each was called from: the debug mode's message itself does not say
+            messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in self.warnings
+                        if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
+            self.result = {"profiled_steps": [self.timed_step + 1, self.timed_step + self.steps],
+                           "host_enqueue_ms": round(host_ms, 2),
+                           "device_ms": round(self.events[0].elapsed_time(self.events[1]), 2) if on_gpu else None,
+                           "host_synchronisations": len(messages) if on_gpu else None,
+                           "synchronisations": sorted(set(messages))}
+        elif step == self.timed_step + self.steps and self.profiler is not None:
+            if on_gpu:
+                torch.cuda.synchronize(self.device)
+            self.profiler.__exit__(None, None, None)
+            self.summarise()
+
+    def summarise(self) -> None:
+        averages = self.profiler.key_averages()
+        by_kind = kernel_ms_by_kind(self.profiler, self.steps)
+        host_operators = sorted(averages, key=lambda event: -event.self_cpu_time_total)[:10]
+        self.result.update(
+            kernel_ms=round(sum(by_kind.values()), 2), kernel_ms_by_kind=by_kind,
+            host_operator_ms={event.key: round(event.self_cpu_time_total / 1e3 / self.steps, 3)
+                              for event in host_operators})
+        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        with open(self.text_path, "a") as handle:
+            handle.write(f"# {self.label}: steps {self.result['profiled_steps']}\n{self.result}\n\n"
+                         f"{averages.table(sort_by=sort_by, row_limit=30, max_name_column_width=80)}\n"
+                         f"{averages.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=80)}\n")
+        self.profiler = None
 
 
 class UnpackedSteps(torch.utils.data.IterableDataset):
@@ -327,7 +423,7 @@ def run_fat5(args, model, dataset, collator, sampler, seed: int, scratch: str) -
     trainer_class = recording_trainer(FAT5Trainer)
     trainer = trainer_class(model=model, args=training_arguments(args, scratch, seed, **compile_options),
                             train_dataset=dataset, data_collator=collator, train_batch_sampler=sampler)
-    result = train(trainer, model, args)
+    result = train(trainer, model, args, f"fat5, seed {seed}")
     result["first_step_seconds"] = trainer.first_step_seconds
     return result
 
@@ -350,7 +446,7 @@ def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch
         model=model, args=training_arguments(args, scratch, seed, gradient_accumulation_steps=args.transformers_chunks),
         train_dataset=steps, compute_loss_func=token_mean_loss,
     )
-    return train(trainer, model, args, compiled=False)
+    return train(trainer, model, args, f"transformers, seed {seed}", compiled=False)
 
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
@@ -363,15 +459,22 @@ def token_mean_loss(outputs, labels, num_items_in_batch=None):
     return loss / num_items_in_batch
 
 
-def train(trainer, model, args, compiled: bool = True) -> dict:
+def train(trainer, model, args, label: str, compiled: bool = True) -> dict:
     device = torch.device(args.device)
     trainer.recorder = StepRecorder(parameter_counts(model), model.config, args.window, compiled)
+    profiler = None
+    if args.profile:
+        profiler = StepProfiler(args.profile, args.steps, device, args.out.replace(".json", "_profile.txt"), label)
+        # before the clock, whose window ends synchronise: the timed step's end must come first
+        trainer.add_callback(profiler.callback())
     trainer.add_callback(clock_callback(trainer.recorder, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     trainer.train()
-    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops)
+    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step)
+    if profiler is not None:
+        result["profile"] = profiler.result
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -413,6 +516,22 @@ def plot(document: dict, path: str) -> None:
     plt.close(figure)
 
 
+def print_profiles(runs: list[dict]) -> None:
+    """The runs' ``--profile`` entries side by side: ms per step by kind of kernel (host operators on a CPU)."""
+    profiled = [run for run in runs if run.get("profile")]
+    if not profiled:
+        return
+    names = [f"{run['path']} ({run['initialization']}, seed {run['seed']})" for run in profiled]
+    kind_key = "kernel_ms_by_kind" if any(run["profile"]["kernel_ms_by_kind"] for run in profiled) \
+        else "host_operator_ms"
+    kinds = list(dict.fromkeys(kind for run in profiled for kind in run["profile"][kind_key]))
+    rows = [{"ms per step": kind, **{name: run["profile"][kind_key].get(kind, "")
+                                     for name, run in zip(names, profiled)}} for kind in kinds]
+    for key in ("kernel_ms", "device_ms", "host_enqueue_ms", "host_synchronisations"):
+        rows.append({"ms per step": key, **{name: run["profile"][key] for name, run in zip(names, profiled)}})
+    print(markdown_table(rows, ["ms per step", *names]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="base")
@@ -433,6 +552,9 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
     parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="take the last N steps of each run apart: kernels by kind, host enqueue time, "
+                             "synchronisations (left out of the throughput)")
     parser.add_argument("--tiny", action="store_true",
                         help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
@@ -446,11 +568,18 @@ def main(argv=None) -> None:
     paths = [path.strip() for path in args.runs.split(",") if path.strip()]
     if not paths or set(paths) - {"fat5", "transformers"}:
         raise SystemExit(f"--runs takes fat5, transformers or both, got {args.runs!r}")
+    if args.profile and args.steps - args.profile - 1 <= args.warmup_steps:
+        raise SystemExit(f"--profile {args.profile} takes the last {args.profile + 1} of --steps {args.steps}: leave "
+                         f"more than --warmup-steps {args.warmup_steps} before them")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --shape tiny to check the path on a CPU")
     if args.device == "cpu":
         args.compile = "none"
     args.out = args.out or f"benchmarks/results/pretrain_{args.shape}.json"
+    if args.profile:
+        # the profiled runs' kernel and operator tables, this invocation's only
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        open(args.out.replace(".json", "_profile.txt"), "w").close()
     args.peak_tflops = None
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -523,6 +652,7 @@ def main(argv=None) -> None:
                   + ", ".join(f"step {step} {run['loss'][step - 1]:.3f}" for step in dict.fromkeys(marks)))
     if ratios:
         print(f"FAT5 / transformers real tokens/s: {results['fat5_over_transformers_tokens_per_second']}x")
+    print_profiles(runs)
     print(environment()["gpu"] or "CPU", "->", args.out)
 
 
