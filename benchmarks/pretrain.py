@@ -76,13 +76,19 @@ SHAPES = {
     "small": {"d_model": 512, "d_kv": 64, "d_ff": 1024, "num_layers": 8, "num_decoder_layers": 8, "num_heads": 6},
     "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4},
 }
-# rows and batches: encoder rows of max_input_length tokens, decoders up to max_target_length, positions per step
+# rows and batches: encoder rows of max_input_length tokens, decoders up to max_target_length, positions per step;
+# shape_buckets: the fewest decoder widths whose padding is within 5% on this corpus (pretrain_padding.json, from
+# --padding-plan: each width is a compilation and a CUDA-graph capture)
 DATA = {
-    "base": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 32768, "vocab_size": 32000},
-    "small": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 65536, "vocab_size": 32000},
-    "tiny": {"max_input_length": 128, "max_target_length": 128, "tokens_per_batch": 2048, "vocab_size": 2000},
+    "base": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 32768, "vocab_size": 32000,
+             "shape_buckets": 5},
+    "small": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 65536, "vocab_size": 32000,
+              "shape_buckets": 7},
+    "tiny": {"max_input_length": 128, "max_target_length": 128, "tokens_per_batch": 2048, "vocab_size": 2000,
+             "shape_buckets": 4},
 }
 NUM_SENTINELS = 256
+PADDING_TARGET = 0.05  # of the positions processed (issue 31)
 
 
 def load_corpus(vocab_size: int, max_documents: int | None):
@@ -495,6 +501,10 @@ def plot(document: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "padding_plan" in document["results"]:
+        plot_padding(document, path, plt)
+        return
+
     figure, (speed, loss) = plt.subplots(1, 2, figsize=(13, 4.5))
     for run in document["results"]["runs"]:
         if "loss" not in run:
@@ -514,6 +524,77 @@ def plot(document: dict, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def plot_padding(document: dict, path: str, plt) -> None:
+    results = document["results"]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for shape, plans in results["padding_plan"].items():
+        axis.plot([plan["buckets"] for plan in plans], [100 * plan["padding_fraction"] for plan in plans],
+                  marker="o", label=f"{shape} shape ({DATA[shape]['tokens_per_batch']} positions a batch)")
+    axis.axhline(100 * results["padding_target"], color="gray", linestyle="--", linewidth=1, label="target")
+    axis.set(xlabel="shape buckets (decoder widths)", ylabel="padding, % of positions processed",
+             title=f"packed UL2 batches on the Shakespeare corpus, {results['epochs']} epochs (CPU count)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def padding_plan(args) -> None:
+    """``--padding-plan``: no training. For each shape and each number of shape buckets, the padding fraction of the
+    positions that the packed batches of ``--padding-epochs`` epochs hold (encoder and decoder, counted as a run
+    counts them, the last short batch of each pool dropped as a run drops it), from the sampler and the collator
+    themselves on the CPU."""
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
+
+    plans, corpora = {}, {}
+    for shape in args.padding_shapes:
+        data = DATA[shape]
+        if data["vocab_size"] not in corpora:
+            corpora[data["vocab_size"]] = load_corpus(data["vocab_size"], args.max_documents)
+        tokenizer, dataset = corpora[data["vocab_size"]]
+        lengths = np.array([len(record["input_ids"]) for record in dataset])
+        collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
+                                   max_target_length=data["max_target_length"])
+        plans[shape] = [bucket_padding(PlannedDataset(dataset), collator, UL2PackedBatchSampler(
+            lengths, collator.objective, tokens_per_batch=data["tokens_per_batch"], shape_buckets=count,
+            drop_last=True, seed=args.seeds[0]), args.padding_epochs) for count in range(1, args.max_buckets + 1)]
+        within = [plan["buckets"] for plan in plans[shape] if plan["padding_fraction"] <= PADDING_TARGET]
+        logger.info("%s shape: padding by number of buckets %s; the fewest within %.0f%%: %s", shape,
+                    {plan["buckets"]: plan["padding_fraction"] for plan in plans[shape]}, 100 * PADDING_TARGET,
+                    within[:1])
+    results = {"measured_on": "the CPU: sampler and collator only, no training (the positions a GPU run processes)",
+               "epochs": args.padding_epochs, "padding_target": PADDING_TARGET, "padding_plan": plans,
+               "fewest_buckets_within_target": {
+                   shape: next((plan["buckets"] for plan in plan_list if plan["padding_fraction"] <= PADDING_TARGET),
+                               None) for shape, plan_list in plans.items()}}
+    document = write_result(args.out, results, data={shape: DATA[shape] for shape in args.padding_shapes},
+                            settings={key: value for key, value in vars(args).items() if key != "plot_only"})
+    draw_beside(plot, document, args.out)
+    rows = [{"buckets": count, **{shape: f"{100 * plans[shape][count - 1]['padding_fraction']:.2f}%"
+                                  for shape in plans}} for count in range(1, args.max_buckets + 1)]
+    print(markdown_table(rows, ["buckets", *plans]))
+    print("fewest buckets within the target:", results["fewest_buckets_within_target"], "->", args.out)
+
+
+def bucket_padding(planned, collator, sampler, epochs: int) -> dict:
+    """Padding of ``epochs`` epochs of ``sampler``'s batches, collated: overall, encoder and decoder."""
+    real, positions = np.zeros(2), np.zeros(2)
+    batches = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for examples in sampler:
+            batch = collator([planned[example] for example in examples])
+            real += [int((batch["segment_ids"] > 0).sum()), int((batch["labels"] != -100).sum())]
+            positions += [batch["input_ids"].numel(), batch["labels"].numel()]
+            batches += 1
+    return {"buckets": len(sampler.buckets.target_widths), "batch_shapes": sampler.buckets.shapes(),
+            "batches": batches, "padding_fraction": round(float(1 - real.sum() / positions.sum()), 4),
+            "encoder_padding": round(float(1 - real[0] / positions[0]), 4),
+            "decoder_padding": round(float(1 - real[1] / positions[1]), 4)}
 
 
 def print_profiles(runs: list[dict]) -> None:
@@ -540,7 +621,8 @@ def main(argv=None) -> None:
     parser.add_argument("--initialization", nargs="+", choices=["t5x", "transformers"], default=["t5x"],
                         help="FAT5Config(initialization=...) of the shared draw; each value gets its runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each run once per seed (two give noise)")
-    parser.add_argument("--buckets", type=int, default=4, help="decoder widths of the packed batches' shapes")
+    parser.add_argument("--buckets", type=int, default=None,
+                        help="decoder widths of the packed batches' shapes (default: the shape's, see DATA)")
     parser.add_argument("--tokens-per-batch", type=int, default=None, help="positions per step (default: shape's)")
     parser.add_argument("--compile", choices=["reduce-overhead", "default", "regional", "none"],
                         default="reduce-overhead", help="how FAT5's model is compiled (default: CUDA graphs)")
@@ -555,6 +637,11 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="take the last N steps of each run apart: kernels by kind, host enqueue time, "
                              "synchronisations (left out of the throughput)")
+    parser.add_argument("--padding-plan", action="store_true",
+                        help="no training: padding by number of shape buckets on the CPU (pretrain_padding.json)")
+    parser.add_argument("--padding-shapes", nargs="+", choices=sorted(DATA), default=["base", "small"])
+    parser.add_argument("--max-buckets", type=int, default=8, help="--padding-plan: bucket counts 1 to this")
+    parser.add_argument("--padding-epochs", type=int, default=8, help="--padding-plan: epochs of batches counted")
     parser.add_argument("--tiny", action="store_true",
                         help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
@@ -565,6 +652,10 @@ def main(argv=None) -> None:
         args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120
         args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.padding_plan:
+        args.out = args.out or "benchmarks/results/pretrain_padding.json"
+        padding_plan(args)
+        return
     paths = [path.strip() for path in args.runs.split(",") if path.strip()]
     if not paths or set(paths) - {"fat5", "transformers"}:
         raise SystemExit(f"--runs takes fat5, transformers or both, got {args.runs!r}")
@@ -595,6 +686,7 @@ def main(argv=None) -> None:
 
     data = {**DATA[args.shape]}
     tokens_per_batch = args.tokens_per_batch or data["tokens_per_batch"]
+    args.buckets = args.buckets or data["shape_buckets"]
     tokenizer, dataset = load_corpus(data["vocab_size"], args.max_documents)
     # rows for a multiple of 128 ids (as `fat5 pretrain`): cuBLAS's fast kernels for the output layer
     vocab_size = -(-len(tokenizer) // 128) * 128
