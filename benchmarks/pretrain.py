@@ -6,7 +6,7 @@ steps, in one process, on one device:
 
 * ``fat5``: ``FAT5ForConditionalGeneration`` + ``FAT5Trainer`` (a ``Seq2SeqTrainer``), the examples packed into
   encoder rows of ``max_input_length`` tokens, batches in a few fixed shapes (``--buckets`` decoder widths chosen
-  from the mixture's rows), the packed layout built by the collator in the dataloader workers, the model compiled
+  from the mixture's rows; by default the fewest whose padding ``--padding-plan`` counts within 5%), the packed layout built by the collator in the dataloader workers, the model compiled
   (``--compile``, default CUDA graphs: ``torch_compile_mode="reduce-overhead"``), bf16 autocast.
 * ``transformers``: ``T5ForConditionalGeneration`` + a plain ``Seq2SeqTrainer``, the same examples of each step
   one per row, padded to the longest of their micro-batch (each step's examples sorted by length and cut into
@@ -41,6 +41,8 @@ steps beside it.
     python benchmarks/pretrain.py --shape base --out benchmarks/results/pretrain_base.json
     python benchmarks/pretrain.py --shape small --runs fat5 --steps 300
     python benchmarks/pretrain.py --tiny      # the whole path on a CPU in a minute or two (no MFU)
+    python benchmarks/pretrain.py --shape base --runs fat5 --profile 5   # the last 5 steps taken apart
+    python benchmarks/pretrain.py --padding-plan   # no training: padding by number of buckets, on the CPU
 """
 
 from __future__ import annotations
