@@ -645,13 +645,15 @@ def main(argv=None) -> None:
     parser.add_argument("--max-buckets", type=int, default=8, help="--padding-plan: bucket counts 1 to this")
     parser.add_argument("--padding-epochs", type=int, default=8, help="--padding-plan: epochs of batches counted")
     parser.add_argument("--tiny", action="store_true",
-                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
+                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes "
+                             "(or --max-documents)")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
     args = parse_or_plot(parser, plot, argv)
     if args is None:
         return
     if args.tiny:
-        args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120
+        args.shape, args.device, args.steps = "tiny", "cpu", min(args.steps, 6)
+        args.max_documents = args.max_documents or 120
         args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.padding_plan:

@@ -34,13 +34,17 @@ def test_padding_plan_counts_the_positions_of_each_bucket_count(pretrain_benchma
     assert out.with_suffix(".png").exists()
 
 
+@pytest.mark.slow  # five training steps of the tiny model through the Trainer: 20-30 s on two shared cores
 def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughput(pretrain_benchmark, tmp_path):
     out = tmp_path / "tiny.json"
-    pretrain_benchmark.main(["--tiny", "--runs", "fat5", "--steps", "6", "--profile", "2", "--out", str(out)])
+    pretrain_benchmark.main(["--tiny", "--runs", "fat5", "--steps", "5", "--profile", "1", "--max-documents", "40",
+                             "--out", str(out)])
     (run,) = json.loads(out.read_text())["results"]["runs"]
     profile = run["profile"]
-    assert profile["profiled_steps"] == [5, 6]
+    assert profile["profiled_steps"] == [5, 5]
     assert profile["host_enqueue_ms"] > 0 and profile["device_ms"] is None  # no device events on a CPU
     assert any("mm" in operator for operator in profile["host_operator_ms"])
+    # the step before the profiled one is timed alone: it is left out too
     assert [window["profiled"] for window in run["windows"]] == [window["last_step"] >= 4 for window in run["windows"]]
+    assert run["windows"][-1]["profiled"] and not run["windows"][0]["profiled"]
     assert "fat5, seed 0" in (tmp_path / "tiny_profile.txt").read_text()
