@@ -265,14 +265,15 @@ def clock_callback(recorder: StepRecorder, device: torch.device):
 
 class StepProfiler:
     """Takes the last ``steps`` optimizer steps of a run apart (as ``model.py --profile`` does): one step timed on its
-    own (host enqueue time against device time, and its host synchronisations under
-    ``torch.cuda.set_sync_debug_mode``), then ``steps`` steps under ``torch.profiler``, the GPU's kernels summed by
-    kind (``KERNEL_KINDS``; each kernel of a CUDA-graph replay counts) and the host operators by self time. Those
-    steps are left out of the throughput (the profiler slows them)."""
+    own, from the end of the step before to its own end, so that the Trainer's fetching of the batches counts (host
+    time against device time, and its host synchronisations under ``torch.cuda.set_sync_debug_mode``), then
+    ``steps`` steps under ``torch.profiler``, the GPU's kernels summed by kind (``KERNEL_KINDS``; each kernel of a
+    CUDA-graph replay counts) and the host operators by self time. Those steps are left out of the throughput."""
 
     def __init__(self, steps: int, last_step: int, device: torch.device, text_path: str, label: str):
         self.steps, self.device, self.text_path, self.label = steps, device, text_path, label
         self.timed_step = last_step - steps  # the step before the profiled ones
+        self.on_gpu = device.type == "cuda"
         self.result, self.profiler, self.caught, self.warnings, self.events = None, None, None, [], []
 
     def callback(self):
@@ -281,57 +282,56 @@ class StepProfiler:
         profiler = self
 
         class Profile(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                profiler.begin(state.global_step + 1)
-
             def on_step_end(self, args, state, control, **kwargs):
-                profiler.end(state.global_step)
+                profiler.step_ended(state.global_step)
 
         return Profile()
 
-    def begin(self, step: int) -> None:
-        on_gpu = self.device.type == "cuda"
-        if step == self.timed_step:
-            if on_gpu:
-                torch.cuda.synchronize(self.device)
-                self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                self.events[0].record()
-            self.caught = warnings.catch_warnings(record=True)
-            self.warnings = self.caught.__enter__()
-            warnings.simplefilter("always")
-            if on_gpu:
-                torch.cuda.set_sync_debug_mode("warn")
-            self.started = time.perf_counter()
-        elif step == self.timed_step + 1:
+    def step_ended(self, step: int) -> None:
+        if step == self.timed_step - 1:
+            self.start_timing()
+        elif step == self.timed_step:
+            self.stop_timing()
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
             self.profiler = profile(activities=activities)
             self.profiler.__enter__()
-
-    def end(self, step: int) -> None:
-        on_gpu = self.device.type == "cuda"
-        if step == self.timed_step:
-            host_ms = (time.perf_counter() - self.started) * 1e3
-            if on_gpu:
-                torch.cuda.set_sync_debug_mode("default")
-                self.events[1].record()
-                torch.cuda.synchronize(self.device)
-            self.caught.__exit__(None, None, None)
-            # the first use of the debug mode also warns that it is a prototype: that notice is no synchronisation
-            # where each was called from: the debug mode's message itself does not say
-            messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in self.warnings
-                        if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
-            self.result = {"profiled_steps": [self.timed_step + 1, self.timed_step + self.steps],
-                           "host_enqueue_ms": round(host_ms, 2),
-                           "device_ms": round(self.events[0].elapsed_time(self.events[1]), 2) if on_gpu else None,
-                           "host_synchronisations": len(messages) if on_gpu else None,
-                           "synchronisations": sorted(set(messages))}
         elif step == self.timed_step + self.steps and self.profiler is not None:
-            if on_gpu:
+            if self.on_gpu:
                 torch.cuda.synchronize(self.device)
             self.profiler.__exit__(None, None, None)
             self.summarise()
+
+    def start_timing(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events[0].record()
+        self.caught = warnings.catch_warnings(record=True)
+        self.warnings = self.caught.__enter__()
+        warnings.simplefilter("always")
+        if self.on_gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        self.started = time.perf_counter()
+
+    def stop_timing(self) -> None:
+        host_ms = (time.perf_counter() - self.started) * 1e3
+        if self.on_gpu:
+            torch.cuda.set_sync_debug_mode("default")
+            self.events[1].record()
+            torch.cuda.synchronize(self.device)
+        self.caught.__exit__(None, None, None)
+        # where each was called from (the debug mode's message does not say), leaving out this script's own clock
+        # (a synchronisation every --window steps) and the debug mode's notice that it is a prototype
+        messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in self.warnings
+                    if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)
+                    and os.path.abspath(w.filename) != os.path.abspath(__file__)]
+        self.result = {"profiled_steps": [self.timed_step + 1, self.timed_step + self.steps],
+                       "host_enqueue_ms": round(host_ms, 2),
+                       "device_ms": round(self.events[0].elapsed_time(self.events[1]), 2) if self.on_gpu else None,
+                       "host_synchronisations": len(messages) if self.on_gpu else None,
+                       "synchronisations": sorted(set(messages))}
 
     def summarise(self) -> None:
         averages = self.profiler.key_averages()
@@ -473,14 +473,15 @@ def train(trainer, model, args, label: str, compiled: bool = True) -> dict:
     profiler = None
     if args.profile:
         profiler = StepProfiler(args.profile, args.steps, device, args.out.replace(".json", "_profile.txt"), label)
-        # before the clock, whose window ends synchronise: the timed step's end must come first
+        # before the clock, whose window ends synchronise: the timed step's end comes first
         trainer.add_callback(profiler.callback())
     trainer.add_callback(clock_callback(trainer.recorder, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     trainer.train()
-    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step)
+    # the timing starts at the end of the step before the timed one, with a synchronisation
+    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step - 1)
     if profiler is not None:
         result["profile"] = profiler.result
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
