@@ -149,3 +149,34 @@ def t5_carrying_weights_of(fat5, **config_fields):
         if not torch.equal(parameter, fat5.get_parameter(name)):
             raise SystemExit(f"{name} differs between the two models after the copy")
     return t5
+
+
+# (kind, substrings of its CUDA kernels' names); the first kind that matches a kernel takes it. Inductor names its
+# kernels triton_* after the ops they fuse (triton_poi_fused_add_rms_norm_backward_...): they come first
+KERNEL_KINDS = (
+    ("fused by Inductor", ("triton_",)),
+    ("attention backward", ("_attention_backward", "_backward_preprocess")),
+    ("attention forward", ("_attention_forward", "_split_combine")),
+    ("T5 bias table", ("_t5_",)),
+    ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")),
+    ("RMSNorm", ("_rms_norm",)),
+    ("activation", ("_activation",)),
+    ("cross-entropy", ("_cross_entropy",)),
+    ("optimizer", ("FusedOptimizer", "multi_tensor_apply")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in name for part in parts)),
+                "other (copies, fills, reductions)")
+
+
+def kernel_ms_by_kind(profiler, steps: int) -> dict[str, float]:
+    """GPU milliseconds per step of a finished ``torch.profiler.profile`` of ``steps`` steps, by kind of kernel,
+    most first. Kernels replayed from CUDA graphs count one by one: CUPTI records each kernel of a graph launch."""
+    by_kind = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(event.name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e3 / steps
+    return {kind: round(ms, 3) for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])}

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, write_result
+from common import environment, kernel_ms_by_kind, markdown_table, write_result
 
 SHAPES = {
     "small": {"d_model": 512, "d_ff": 1024, "num_layers": 8, "num_heads": 6, "d_kv": 64},
@@ -244,26 +244,6 @@ def longest_trainable(name, model, start=4096, stop=131072, checkpointing=True):
     return longest
 
 
-# (kind, substrings of its CUDA kernels' names); the first kind that matches a kernel takes it. Inductor names its
-# kernels triton_* after the ops they fuse (triton_poi_fused_add_rms_norm_backward_...): they come first
-KERNEL_KINDS = (
-    ("fused by Inductor", ("triton_",)),
-    ("attention backward", ("_attention_backward", "_backward_preprocess")),
-    ("attention forward", ("_attention_forward", "_split_combine")),
-    ("T5 bias table", ("_t5_",)),
-    ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")),
-    ("RMSNorm", ("_rms_norm",)),
-    ("activation", ("_activation",)),
-    ("cross-entropy", ("_cross_entropy",)),
-    ("optimizer", ("FusedOptimizer", "multi_tensor_apply")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, parts in KERNEL_KINDS if any(part in name for part in parts)),
-                "other (copies, fills, reductions)")
-
-
 def profile_training(name, model, length, batch, path, steps=3):
     """Where a training step's time goes, appended to the text file ``path``: the host's time to enqueue one step
     against the device's time to run it (a host-bound step has them equal), the host synchronisations inside a
@@ -303,12 +283,7 @@ def profile_training(name, model, length, batch, path, steps=3):
             step()
         torch.cuda.synchronize()
     averages = profiler.key_averages()
-    by_kind = {}
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kind = kernel_kind(event.name)
-            by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e3 / steps
-    by_kind = {kind: round(ms, 3) for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])}
+    by_kind = kernel_ms_by_kind(profiler, steps)
     with open(path, "a") as handle:
         handle.write(f"# {name}, encoder length {length}, batch {batch}\n"
                      f"host enqueue {host_ms:.1f} ms, device {device_ms:.1f} ms per step; "

@@ -6,7 +6,7 @@ steps, in one process, on one device:
 
 * ``fat5``: ``FAT5ForConditionalGeneration`` + ``FAT5Trainer`` (a ``Seq2SeqTrainer``), the examples packed into
   encoder rows of ``max_input_length`` tokens, batches in a few fixed shapes (``--buckets`` decoder widths chosen
-  from the mixture's rows), the packed layout built by the collator in the dataloader workers, the model compiled
+  from the mixture's rows; by default the fewest whose padding ``--padding-plan`` counts within 5%), the packed layout built by the collator in the dataloader workers, the model compiled
   (``--compile``, default CUDA graphs: ``torch_compile_mode="reduce-overhead"``), bf16 autocast.
 * ``transformers``: ``T5ForConditionalGeneration`` + a plain ``Seq2SeqTrainer``, the same examples of each step
   one per row, padded to the longest of their micro-batch (each step's examples sorted by length and cut into
@@ -41,6 +41,8 @@ steps beside it.
     python benchmarks/pretrain.py --shape base --out benchmarks/results/pretrain_base.json
     python benchmarks/pretrain.py --shape small --runs fat5 --steps 300
     python benchmarks/pretrain.py --tiny      # the whole path on a CPU in a minute or two (no MFU)
+    python benchmarks/pretrain.py --shape base --runs fat5 --profile 5   # the last 5 steps taken apart
+    python benchmarks/pretrain.py --padding-plan   # no training: padding by number of buckets, on the CPU
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import draw_beside, environment, markdown_table, parse_or_plot, t5_carrying_weights_of, write_result
+from common import (
+    draw_beside,
+    environment,
+    kernel_ms_by_kind,
+    markdown_table,
+    parse_or_plot,
+    t5_carrying_weights_of,
+    write_result,
+)
 
 logger = logging.getLogger("benchmarks.pretrain")
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -67,13 +78,19 @@ SHAPES = {
     "small": {"d_model": 512, "d_kv": 64, "d_ff": 1024, "num_layers": 8, "num_decoder_layers": 8, "num_heads": 6},
     "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4},
 }
-# rows and batches: encoder rows of max_input_length tokens, decoders up to max_target_length, positions per step
+# rows and batches: encoder rows of max_input_length tokens, decoders up to max_target_length, positions per step;
+# shape_buckets: the fewest decoder widths whose padding is within 5% on this corpus (pretrain_padding.json, from
+# --padding-plan: each width is a compilation and a CUDA-graph capture)
 DATA = {
-    "base": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 32768, "vocab_size": 32000},
-    "small": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 65536, "vocab_size": 32000},
-    "tiny": {"max_input_length": 128, "max_target_length": 128, "tokens_per_batch": 2048, "vocab_size": 2000},
+    "base": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 32768, "vocab_size": 32000,
+             "shape_buckets": 5},
+    "small": {"max_input_length": 1024, "max_target_length": 1024, "tokens_per_batch": 65536, "vocab_size": 32000,
+              "shape_buckets": 7},
+    "tiny": {"max_input_length": 128, "max_target_length": 128, "tokens_per_batch": 2048, "vocab_size": 2000,
+             "shape_buckets": 4},
 }
 NUM_SENTINELS = 256
+PADDING_TARGET = 0.05  # of the positions processed (issue 31)
 
 
 def load_corpus(vocab_size: int, max_documents: int | None):
@@ -179,7 +196,7 @@ class StepRecorder:
                 torch.cuda.synchronize(device)
             self.clock.append((step, time.perf_counter()))
 
-    def summary(self, warmup_steps: int, peak_tflops: float | None) -> dict:
+    def summary(self, warmup_steps: int, peak_tflops: float | None, profiled_from: int | None = None) -> dict:
         steps = sorted(self.losses)
         losses = torch.stack([self.losses[s] for s in steps]).tolist()
         tokens = torch.stack([self.tokens[s] for s in steps]).double().cpu().numpy()
@@ -194,8 +211,9 @@ class StepRecorder:
                 "tokens_per_second": round(float(tokens[chosen].sum() / seconds), 1),
                 "tflops": round(float(flops[chosen].sum() / seconds / 1e12), 2),
                 "compiles": any(start < s <= end for s in self.new_shape_steps),
+                "profiled": profiled_from is not None and end >= profiled_from,
             })
-        steady = [w for w in windows if w["first_step"] > warmup_steps and not w["compiles"]]
+        steady = [w for w in windows if w["first_step"] > warmup_steps and not w["compiles"] and not w["profiled"]]
         result = {"steps": len(steps), "loss": [round(x, 5) for x in losses], "windows": windows,
                   "padding_fraction": round(float(1 - tokens.sum() / positions.sum()), 4),
                   "real_tokens_per_step": round(float(tokens.mean()), 1),
@@ -243,6 +261,92 @@ def clock_callback(recorder: StepRecorder, device: torch.device):
             recorder.tick(state.global_step, device)
 
     return Clock()
+
+
+class StepProfiler:
+    """Takes the last ``steps`` optimizer steps of a run apart (as ``model.py --profile`` does): one step timed on its
+    own, from the end of the step before to its own end, so that the Trainer's fetching of the batches counts (host
+    time against device time, and its host synchronisations under ``torch.cuda.set_sync_debug_mode``), then
+    ``steps`` steps under ``torch.profiler``, the GPU's kernels summed by kind (``KERNEL_KINDS``; each kernel of a
+    CUDA-graph replay counts) and the host operators by self time. Those steps are left out of the throughput."""
+
+    def __init__(self, steps: int, last_step: int, device: torch.device, text_path: str, label: str):
+        self.steps, self.device, self.text_path, self.label = steps, device, text_path, label
+        self.timed_step = last_step - steps  # the step before the profiled ones
+        self.on_gpu = device.type == "cuda"
+        self.result, self.profiler, self.caught, self.warnings, self.events = None, None, None, [], []
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        profiler = self
+
+        class Profile(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                profiler.step_ended(state.global_step)
+
+        return Profile()
+
+    def step_ended(self, step: int) -> None:
+        if step == self.timed_step - 1:
+            self.start_timing()
+        elif step == self.timed_step:
+            self.stop_timing()
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+        elif step == self.timed_step + self.steps and self.profiler is not None:
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+            self.profiler.__exit__(None, None, None)
+            self.summarise()
+
+    def start_timing(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events[0].record()
+        self.caught = warnings.catch_warnings(record=True)
+        self.warnings = self.caught.__enter__()
+        warnings.simplefilter("always")
+        if self.on_gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        self.started = time.perf_counter()
+
+    def stop_timing(self) -> None:
+        host_ms = (time.perf_counter() - self.started) * 1e3
+        if self.on_gpu:
+            torch.cuda.set_sync_debug_mode("default")
+            self.events[1].record()
+            torch.cuda.synchronize(self.device)
+        self.caught.__exit__(None, None, None)
+        # where each was called from (the debug mode's message does not say), leaving out this script's own clock
+        # (a synchronisation every --window steps) and the debug mode's notice that it is a prototype
+        messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in self.warnings
+                    if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)
+                    and os.path.abspath(w.filename) != os.path.abspath(__file__)]
+        self.result = {"profiled_steps": [self.timed_step + 1, self.timed_step + self.steps],
+                       "host_enqueue_ms": round(host_ms, 2),
+                       "device_ms": round(self.events[0].elapsed_time(self.events[1]), 2) if self.on_gpu else None,
+                       "host_synchronisations": len(messages) if self.on_gpu else None,
+                       "synchronisations": sorted(set(messages))}
+
+    def summarise(self) -> None:
+        averages = self.profiler.key_averages()
+        by_kind = kernel_ms_by_kind(self.profiler, self.steps)
+        host_operators = sorted(averages, key=lambda event: -event.self_cpu_time_total)[:10]
+        self.result.update(
+            kernel_ms=round(sum(by_kind.values()), 2), kernel_ms_by_kind=by_kind,
+            host_operator_ms={event.key: round(event.self_cpu_time_total / 1e3 / self.steps, 3)
+                              for event in host_operators})
+        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        with open(self.text_path, "a") as handle:
+            handle.write(f"# {self.label}: steps {self.result['profiled_steps']}\n{self.result}\n\n"
+                         f"{averages.table(sort_by=sort_by, row_limit=30, max_name_column_width=80)}\n"
+                         f"{averages.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=80)}\n")
+        self.profiler = None
 
 
 class UnpackedSteps(torch.utils.data.IterableDataset):
@@ -327,7 +431,7 @@ def run_fat5(args, model, dataset, collator, sampler, seed: int, scratch: str) -
     trainer_class = recording_trainer(FAT5Trainer)
     trainer = trainer_class(model=model, args=training_arguments(args, scratch, seed, **compile_options),
                             train_dataset=dataset, data_collator=collator, train_batch_sampler=sampler)
-    result = train(trainer, model, args)
+    result = train(trainer, model, args, f"fat5, seed {seed}")
     result["first_step_seconds"] = trainer.first_step_seconds
     return result
 
@@ -350,7 +454,7 @@ def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch
         model=model, args=training_arguments(args, scratch, seed, gradient_accumulation_steps=args.transformers_chunks),
         train_dataset=steps, compute_loss_func=token_mean_loss,
     )
-    return train(trainer, model, args, compiled=False)
+    return train(trainer, model, args, f"transformers, seed {seed}", compiled=False)
 
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
@@ -363,15 +467,23 @@ def token_mean_loss(outputs, labels, num_items_in_batch=None):
     return loss / num_items_in_batch
 
 
-def train(trainer, model, args, compiled: bool = True) -> dict:
+def train(trainer, model, args, label: str, compiled: bool = True) -> dict:
     device = torch.device(args.device)
     trainer.recorder = StepRecorder(parameter_counts(model), model.config, args.window, compiled)
+    profiler = None
+    if args.profile:
+        profiler = StepProfiler(args.profile, args.steps, device, args.out.replace(".json", "_profile.txt"), label)
+        # before the clock, whose window ends synchronise: the timed step's end comes first
+        trainer.add_callback(profiler.callback())
     trainer.add_callback(clock_callback(trainer.recorder, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     trainer.train()
-    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops)
+    # the timing starts at the end of the step before the timed one, with a synchronisation
+    result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step - 1)
+    if profiler is not None:
+        result["profile"] = profiler.result
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -391,6 +503,10 @@ def plot(document: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if "padding_plan" in document["results"]:
+        plot_padding(document, path, plt)
+        return
 
     figure, (speed, loss) = plt.subplots(1, 2, figsize=(13, 4.5))
     for run in document["results"]["runs"]:
@@ -413,6 +529,93 @@ def plot(document: dict, path: str) -> None:
     plt.close(figure)
 
 
+def plot_padding(document: dict, path: str, plt) -> None:
+    results = document["results"]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for shape, plans in results["padding_plan"].items():
+        axis.plot([plan["buckets"] for plan in plans], [100 * plan["padding_fraction"] for plan in plans],
+                  marker="o", label=f"{shape} shape ({DATA[shape]['tokens_per_batch']} positions a batch)")
+    axis.axhline(100 * results["padding_target"], color="gray", linestyle="--", linewidth=1, label="target")
+    axis.set(xlabel="shape buckets (decoder widths)", ylabel="padding, % of positions processed",
+             title=f"packed UL2 batches on the Shakespeare corpus, {results['epochs']} epochs (CPU count)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def padding_plan(args) -> None:
+    """``--padding-plan``: no training. For each shape and each number of shape buckets, the padding fraction of the
+    positions that the packed batches of ``--padding-epochs`` epochs hold (encoder and decoder, counted as a run
+    counts them, the last short batch of each pool dropped as a run drops it), from the sampler and the collator
+    themselves on the CPU."""
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
+
+    plans, corpora = {}, {}
+    for shape in args.padding_shapes:
+        data = DATA[shape]
+        if data["vocab_size"] not in corpora:
+            corpora[data["vocab_size"]] = load_corpus(data["vocab_size"], args.max_documents)
+        tokenizer, dataset = corpora[data["vocab_size"]]
+        lengths = np.array([len(record["input_ids"]) for record in dataset])
+        collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
+                                   max_target_length=data["max_target_length"])
+        plans[shape] = [bucket_padding(PlannedDataset(dataset), collator, UL2PackedBatchSampler(
+            lengths, collator.objective, tokens_per_batch=data["tokens_per_batch"], shape_buckets=count,
+            drop_last=True, seed=args.seeds[0]), args.padding_epochs) for count in range(1, args.max_buckets + 1)]
+        within = [plan["buckets"] for plan in plans[shape] if plan["padding_fraction"] <= PADDING_TARGET]
+        logger.info("%s shape: padding by number of buckets %s; the fewest within %.0f%%: %s", shape,
+                    {plan["buckets"]: plan["padding_fraction"] for plan in plans[shape]}, 100 * PADDING_TARGET,
+                    within[:1])
+    results = {"measured_on": "the CPU: sampler and collator only, no training (the positions a GPU run processes)",
+               "epochs": args.padding_epochs, "padding_target": PADDING_TARGET, "padding_plan": plans,
+               "fewest_buckets_within_target": {
+                   shape: next((plan["buckets"] for plan in plan_list if plan["padding_fraction"] <= PADDING_TARGET),
+                               None) for shape, plan_list in plans.items()}}
+    document = write_result(args.out, results, data={shape: DATA[shape] for shape in args.padding_shapes},
+                            settings={key: value for key, value in vars(args).items() if key != "plot_only"})
+    draw_beside(plot, document, args.out)
+    rows = [{"buckets": count, **{shape: f"{100 * plans[shape][count - 1]['padding_fraction']:.2f}%"
+                                  for shape in plans}} for count in range(1, args.max_buckets + 1)]
+    print(markdown_table(rows, ["buckets", *plans]))
+    print("fewest buckets within the target:", results["fewest_buckets_within_target"], "->", args.out)
+
+
+def bucket_padding(planned, collator, sampler, epochs: int) -> dict:
+    """Padding of ``epochs`` epochs of ``sampler``'s batches, collated: overall, encoder and decoder."""
+    real, positions = np.zeros(2), np.zeros(2)
+    batches = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for examples in sampler:
+            batch = collator([planned[example] for example in examples])
+            real += [int((batch["segment_ids"] > 0).sum()), int((batch["labels"] != -100).sum())]
+            positions += [batch["input_ids"].numel(), batch["labels"].numel()]
+            batches += 1
+    return {"buckets": len(sampler.buckets.target_widths), "batch_shapes": sampler.buckets.shapes(),
+            "batches": batches, "padding_fraction": round(float(1 - real.sum() / positions.sum()), 4),
+            "encoder_padding": round(float(1 - real[0] / positions[0]), 4),
+            "decoder_padding": round(float(1 - real[1] / positions[1]), 4)}
+
+
+def print_profiles(runs: list[dict]) -> None:
+    """The runs' ``--profile`` entries side by side: ms per step by kind of kernel (host operators on a CPU)."""
+    profiled = [run for run in runs if run.get("profile")]
+    if not profiled:
+        return
+    names = [f"{run['path']} ({run['initialization']}, seed {run['seed']})" for run in profiled]
+    kind_key = "kernel_ms_by_kind" if any(run["profile"]["kernel_ms_by_kind"] for run in profiled) \
+        else "host_operator_ms"
+    kinds = list(dict.fromkeys(kind for run in profiled for kind in run["profile"][kind_key]))
+    rows = [{"ms per step": kind, **{name: run["profile"][kind_key].get(kind, "")
+                                     for name, run in zip(names, profiled)}} for kind in kinds]
+    for key in ("kernel_ms", "device_ms", "host_enqueue_ms", "host_synchronisations"):
+        rows.append({"ms per step": key, **{name: run["profile"][key] for name, run in zip(names, profiled)}})
+    print(markdown_table(rows, ["ms per step", *names]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="base")
@@ -421,7 +624,8 @@ def main(argv=None) -> None:
     parser.add_argument("--initialization", nargs="+", choices=["t5x", "transformers"], default=["t5x"],
                         help="FAT5Config(initialization=...) of the shared draw; each value gets its runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each run once per seed (two give noise)")
-    parser.add_argument("--buckets", type=int, default=4, help="decoder widths of the packed batches' shapes")
+    parser.add_argument("--buckets", type=int, default=None,
+                        help="decoder widths of the packed batches' shapes (default: the shape's, see DATA)")
     parser.add_argument("--tokens-per-batch", type=int, default=None, help="positions per step (default: shape's)")
     parser.add_argument("--compile", choices=["reduce-overhead", "default", "regional", "none"],
                         default="reduce-overhead", help="how FAT5's model is compiled (default: CUDA graphs)")
@@ -433,24 +637,45 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
     parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="take the last N steps of each run apart: kernels by kind, host enqueue time, "
+                             "synchronisations (left out of the throughput)")
+    parser.add_argument("--padding-plan", action="store_true",
+                        help="no training: padding by number of shape buckets on the CPU (pretrain_padding.json)")
+    parser.add_argument("--padding-shapes", nargs="+", choices=sorted(DATA), default=["base", "small"])
+    parser.add_argument("--max-buckets", type=int, default=8, help="--padding-plan: bucket counts 1 to this")
+    parser.add_argument("--padding-epochs", type=int, default=8, help="--padding-plan: epochs of batches counted")
     parser.add_argument("--tiny", action="store_true",
-                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes")
+                        help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes "
+                             "(or --max-documents)")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
     args = parse_or_plot(parser, plot, argv)
     if args is None:
         return
     if args.tiny:
-        args.shape, args.device, args.steps, args.max_documents = "tiny", "cpu", min(args.steps, 6), 120
+        args.shape, args.device, args.steps = "tiny", "cpu", min(args.steps, 6)
+        args.max_documents = args.max_documents or 120
         args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.padding_plan:
+        args.out = args.out or "benchmarks/results/pretrain_padding.json"
+        padding_plan(args)
+        return
     paths = [path.strip() for path in args.runs.split(",") if path.strip()]
     if not paths or set(paths) - {"fat5", "transformers"}:
         raise SystemExit(f"--runs takes fat5, transformers or both, got {args.runs!r}")
+    if args.profile and args.steps - args.profile - 1 <= args.warmup_steps:
+        raise SystemExit(f"--profile {args.profile} takes the last {args.profile + 1} of --steps {args.steps}: leave "
+                         f"more than --warmup-steps {args.warmup_steps} before them")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --shape tiny to check the path on a CPU")
     if args.device == "cpu":
         args.compile = "none"
     args.out = args.out or f"benchmarks/results/pretrain_{args.shape}.json"
+    if args.profile:
+        # the profiled runs' kernel and operator tables, this invocation's only
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        open(args.out.replace(".json", "_profile.txt"), "w").close()
     args.peak_tflops = None
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -466,6 +691,7 @@ def main(argv=None) -> None:
 
     data = {**DATA[args.shape]}
     tokens_per_batch = args.tokens_per_batch or data["tokens_per_batch"]
+    args.buckets = args.buckets or data["shape_buckets"]
     tokenizer, dataset = load_corpus(data["vocab_size"], args.max_documents)
     # rows for a multiple of 128 ids (as `fat5 pretrain`): cuBLAS's fast kernels for the output layer
     vocab_size = -(-len(tokenizer) // 128) * 128
@@ -523,6 +749,7 @@ def main(argv=None) -> None:
                   + ", ".join(f"step {step} {run['loss'][step - 1]:.3f}" for step in dict.fromkeys(marks)))
     if ratios:
         print(f"FAT5 / transformers real tokens/s: {results['fat5_over_transformers_tokens_per_second']}x")
+    print_profiles(runs)
     print(environment()["gpu"] or "CPU", "->", args.out)
 
 

@@ -205,10 +205,15 @@ class ShapeBuckets(NamedTuple):
         return [(rows, self.input_width, width) for rows, width in zip(self.rows, self.target_widths)]
 
 
-def choose_target_widths(target_fill: np.ndarray, count: int, max_width: int, multiple: int = 64) -> list[int]:
+def choose_target_widths(target_fill: np.ndarray, count: int, max_width: int, multiple: int = 8,
+                         rows_at_width=None, batchings: int = 1) -> list[int]:
     """The ``count`` decoder widths, multiples of ``multiple`` below ``max_width`` or ``max_width`` rounded up to a
     multiple of 8, that leave the fewest padding positions when each row (of ``target_fill`` decoder tokens) takes
     the narrowest width that holds it.
+
+    With ``rows_at_width`` (a width's rows per batch), the rows a batch cut moves up also count: batches are cut
+    from rows sorted by fill (:func:`bucket_batches`), so each of the ``batchings`` cuts (pools) leaves, on average,
+    ``(rows - 1) / 2`` rows of a narrower width's last batch to the next width, each paying the difference.
 
     The widest is always ``max_width`` rounded up to a multiple of 8, so that any row a packer makes fits one."""
     if count < 1:
@@ -220,6 +225,10 @@ def choose_target_widths(target_fill: np.ndarray, count: int, max_width: int, mu
     rows_upto = np.searchsorted(fill, candidates, side="right")
     tokens_upto = np.concatenate([[0], np.cumsum(fill)])[rows_upto]
     rows_upto, tokens_upto = np.concatenate([[0], rows_upto]), np.concatenate([[0], tokens_upto])
+    widths_from = np.concatenate([[0], candidates])
+    carried = np.zeros(len(widths_from))
+    if rows_at_width is not None:
+        carried[1:] = [batchings * (rows_at_width(int(width)) - 1) / 2 for width in candidates]
     num = len(candidates)
     # best[k][j]: least padding of the rows up to candidate j with k widths, the widest being candidate j
     best = np.full((count + 1, num + 1), np.inf)
@@ -229,7 +238,8 @@ def choose_target_widths(target_fill: np.ndarray, count: int, max_width: int, mu
         for j in range(1, num + 1):
             previous = np.arange(j)
             padding = (candidates[j - 1] * (rows_upto[j] - rows_upto[previous])
-                       - (tokens_upto[j] - tokens_upto[previous]))
+                       - (tokens_upto[j] - tokens_upto[previous])
+                       + carried[previous] * (candidates[j - 1] - widths_from[previous]))
             costs = best[k - 1, previous] + padding
             choice[k, j] = int(np.argmin(costs))
             best[k, j] = costs[choice[k, j]]
@@ -331,18 +341,25 @@ def shape_buckets_for(
     tokens_per_batch: int | None = None,
     rows_per_batch: int | None = None,
     seed: int = 0,
-    multiple: int = 64,
+    multiple: int = 8,
+    pool_size: int | None = None,
 ) -> ShapeBuckets:
     """Shape buckets for packed UL2 rows: ``count_or_widths`` decoder widths given, or that many chosen from the
-    decoder fill of the rows that the mixture makes of sources of ``lengths`` tokens (one planning, seeded)."""
+    decoder fill of the rows that the mixture makes of sources of ``lengths`` tokens (one planning, seeded), counting
+    the rows that cutting each pool of ``pool_size`` sources (all of them if None) into batches moves up a width
+    (see :func:`choose_target_widths`)."""
     max_target = objective.max_target_length or objective.max_input_length
     if isinstance(count_or_widths, (int, np.integer)) and not isinstance(count_or_widths, bool):
         plan, row_of, num_rows = _packed_rows(objective, np.asarray(lengths, dtype=np.int64),
                                               np.random.default_rng([seed, 1 << 20]))
         fill = np.bincount(row_of, weights=plan.target_length, minlength=num_rows)
-        # short decoders (the CPU default job's 64) get finer steps than 64 positions
-        step = min(multiple, max(8, round_up(max_target, 8) // 8))
-        widths = choose_target_widths(fill, int(count_or_widths), max_target, step)
+        pools = -(-len(lengths) // pool_size) if pool_size else 1
+
+        def rows_at_width(width: int) -> int:
+            return ShapeBuckets.for_budget(objective.max_input_length, [width], tokens_per_batch=tokens_per_batch,
+                                           rows_per_batch=rows_per_batch).rows[0]
+
+        widths = choose_target_widths(fill, int(count_or_widths), max_target, multiple, rows_at_width, pools)
     else:
         widths = [int(width) for width in count_or_widths]
         if max(widths) < max_target:
@@ -392,7 +409,7 @@ class UL2PackedBatchSampler:
         self.buckets = None
         if shape_buckets is not None:
             self.buckets = shape_buckets_for(objective, lengths, shape_buckets, tokens_per_batch=tokens_per_batch,
-                                             rows_per_batch=rows_per_batch, seed=seed)
+                                             rows_per_batch=rows_per_batch, seed=seed, pool_size=pool_size)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.objective = objective
         self.rows_per_batch = rows_per_batch
