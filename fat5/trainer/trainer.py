@@ -43,8 +43,17 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
             Inductor then fuses the element-wise work between the kernels and the blocks' Python runs once per
             shape, which pays most where eager steps wait on the host (long inputs at small batches), without
             CUDA graphs' need for batches of one shape.
+        logging_nan_inf_filter: False by default here (True in transformers). transformers' filter tests every
+            step's loss for NaN and inf on the host, which waits for the GPU at every step (two synchronisations),
+            so the host cannot queue the next step while the GPU runs this one (benchmarks/README.md, UL2
+            pretraining, measures what it costs). Off, a NaN or inf loss reaches the logged mean, where it shows,
+            instead of being replaced by the average of the earlier ones.
     """
 
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "Replace NaN/inf step losses in the logged mean (reads every step's loss on the host)."},
+    )
     torch_compile_regional: bool = field(
         default=False,
         metadata={"help": "Compile each encoder and decoder block separately (implies torch_compile)."},
