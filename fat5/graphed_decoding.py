@@ -1,12 +1,12 @@
 """FAT5's greedy and sampled decoding through a decoding step of few kernels, replayed from CUDA graphs.
 
-``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_decoding_applies` says so:
+``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_generate_arguments` allows:
 transformers prepares the call as for its own loop (generation config, the encoder's outputs, logits processors,
 stopping criteria) and runs :func:`graphed_decode` as its ``custom_generate`` loop. What differs from transformers'
 loop, where FAT5's step is some 330 kernels, launched by the host between ``generate``'s own bookkeeping:
 
 - the step (:func:`_decoder_step`): per decoder layer one product for self-attention's q, k and v, one for the
-  feed-forward's input projections, the residual added by each output projection (``addmm``), FAT5's RMSNorm,
+  feed-forward's input projections, the residual added by each output projection (``addmm_``), FAT5's RMSNorm,
   attention and activation kernels; the cross-attention keys and values of every layer come from one product of the
   encoder's output at the start of the call; T5's bias by relative position is made once per version of the weights,
   not by every attention launch. These derived weights (:class:`_DecoderWeights`) are kept on the model and made
@@ -17,8 +17,8 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
   are masked) and the self-attention cache holds ``max_length - 1`` positions rounded up, so that calls of other
   lengths replay a graph already captured. At most ``MAX_KEPT_GRAPHS`` are kept, the least recently used dropped.
   On a CPU the same step runs eagerly.
-- the loop (:func:`_run`): greedy decoding without logits processors picks the token inside the graph; otherwise
-  transformers' own processors (and sampling) run eagerly on the step's logits. Finished rows are tracked on the
+- the loop (:func:`_run`): greedy decoding picks the token inside the graph, EOS masked there under min_length /
+  min_new_tokens; any other logits processor (and sampling) is transformers' own, run eagerly on the step's logits. Finished rows are tracked on the
   device (tokens after EOS are ``pad_token_id``, as in transformers) and the host looks at them every
   ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly the random numbers that
   transformers' loop draws.
@@ -36,6 +36,7 @@ from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.generation import GenerateEncoderDecoderOutput
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .kernels.activation import gated_activation
@@ -53,8 +54,9 @@ _POSITION_ENCODINGS = ("t5", "alibi", "rope", "none")
 _LOOP_ARGUMENTS = (
     "assistant_model", "streamer", "custom_generate", "prefix_allowed_tokens_fn", "negative_prompt_ids",
     "negative_prompt_attention_mask", "synced_gpus", "tokenizer", "assistant_tokenizer", "cache", "past_key_values",
-    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "use_cache",
+    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask",
 )
+_MINIMUM_LENGTHS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -62,24 +64,31 @@ _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "outpu
 # When the loop applies
 
 
-def graphed_decoding_applies(model, generation_config, kwargs: dict) -> bool:
-    """Whether ``model.generate(generation_config=generation_config, **kwargs)`` takes :func:`graphed_decode`:
-    ``config.graphed_decoding`` allows it here, the model is in eval mode with plain weights, and the call asks for
-    greedy or sampled decoding (one beam) with options that the loop follows."""
+def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict | None:
+    """The arguments with which ``model.generate(generation_config=generation_config, **kwargs)`` runs
+    :func:`graphed_decode` as its loop, or None where transformers' loop serves: ``config.graphed_decoding``
+    forbids the graphed loop here, the model is training or has weights the step cannot read (an adapter, FIRE), or
+    the call asks for something other than greedy or sampled decoding (one beam) with options the loop follows. A
+    cache implementation asked for is dropped: the loop has static buffers of its own, and transformers would
+    allocate the cache before it for nothing."""
     mode = model.config.graphed_decoding
     if mode == "never" or (mode == "auto" and model.device.type != "cuda"):
-        return False
+        return None
     if model.training or unsupported_model_reason(model) is not None:
-        return False
+        return None
     if any(kwargs.get(name) is not None for name in _LOOP_ARGUMENTS):
-        return False
+        return None
     if kwargs.get("logits_processor") or kwargs.get("stopping_criteria"):
-        return False
+        return None
     config, _ = model._prepare_generation_config(generation_config, **kwargs)
     if config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return False
-    asks_more = any(getattr(config, name, False) for name in _OUTPUT_OPTIONS)
-    return not asks_more and config.stop_strings is None and config.max_time is None
+        return None
+    if any(getattr(config, name, False) for name in _OUTPUT_OPTIONS) or config.stop_strings or config.max_time:
+        return None
+    arguments = {**kwargs, "custom_generate": graphed_decode}
+    if config.cache_implementation is not None:
+        arguments["cache_implementation"] = None
+    return arguments
 
 
 def unsupported_model_reason(model) -> str | None:
@@ -248,7 +257,8 @@ def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.T
     cache.index_copy_(3, buffers.position, key_value)
     output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
                      causal=True, query_offset=buffers.position)
-    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
+    # in place: out of place, addmm copies the residual into a new tensor first (one more kernel)
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
 
 
 def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -257,7 +267,7 @@ def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.
     query = nn.functional.linear(normed, weights.cross_query[layer]).view(batch, heads, 1, head_dim)
     key, value = buffers.cross_key_value_of(layer)
     output = _attend(config, weights, query, key, value, key_padding_mask=buffers.cross_mask)
-    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
 
 
 def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -272,7 +282,7 @@ def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> t
     else:
         activated = ACT2FN[config.dense_act_fn](gate)
         activated = activated if linear is None else activated * linear
-    return torch.addmm(hidden_states, activated, weights.feed_forward_output[layer].t())
+    return hidden_states.addmm_(activated, weights.feed_forward_output[layer].t())
 
 
 def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -> torch.Tensor:
@@ -306,6 +316,7 @@ class _GraphKey:
     encoder_length: int
     cache_length: int
     greedy_in_graph: bool
+    suppresses_eos: bool  # greedy under min_length / min_new_tokens: EOS masked inside the graph
     eos_token_ids: tuple[int, ...] | None
     pad_token_id: int | None
 
@@ -325,6 +336,9 @@ class _DecodingGraph:
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         self.steps_taken = torch.zeros((), dtype=torch.long, device=device)
         self.eos = None if key.eos_token_ids is None else torch.tensor(key.eos_token_ids, device=device)
+        # the tokens masked before position ``eos_allowed_from`` (min_length / min_new_tokens), set by each call
+        self.eos_allowed_from = torch.zeros(1, dtype=torch.long, device=device)
+        self.suppressed_tokens = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
         # zeros: the slots that causal masking hides must hold no NaN for the products with their zero weights
         self.self_cache = torch.zeros(layers, 2, batch, heads, key.cache_length, config.d_kv, dtype=dtype,
                                       device=device)
@@ -360,6 +374,9 @@ class _DecodingGraph:
     def _step(self) -> torch.Tensor:
         logits = _decoder_step(self.config, self.weights, self)
         if self.key.greedy_in_graph:
+            if self.key.suppresses_eos:
+                masked = self.suppressed_tokens & (self.position < self.eos_allowed_from)
+                logits = torch.where(masked, float("-inf"), logits)
             self.advance(logits.argmax(dim=-1))
         return logits
 
@@ -449,22 +466,48 @@ def graphed_decode(model, input_ids, logits_processor, stopping_criteria, genera
                                        **model_kwargs)
     eos = next((criterion.eos_token_id for criterion in stopping_criteria if isinstance(criterion, EosTokenCriteria)),
                None)
-    eos = None if eos is None else tuple(torch.as_tensor(eos).reshape(-1).tolist())
     pad = generation_config._pad_token_tensor
     max_length = generation_config.max_length
     encoder_states = model_kwargs["encoder_outputs"][0]
+    suppression = None if generation_config.do_sample else _eos_suppression(logits_processor)
     key = _GraphKey(
         batch=input_ids.shape[0], encoder_length=encoder_length_bucket(encoder_states.shape[1]),
-        cache_length=cache_length_bucket(max_length - 1), greedy_in_graph=not generation_config.do_sample
-        and len(logits_processor) == 0, eos_token_ids=eos, pad_token_id=None if pad is None else int(pad),
+        cache_length=cache_length_bucket(max_length - 1),
+        greedy_in_graph=not generation_config.do_sample and (len(logits_processor) == 0 or suppression is not None),
+        suppresses_eos=suppression is not None, eos_token_ids=None if eos is None else _token_ids(eos),
+        pad_token_id=None if pad is None else int(pad),
     )
     graph = graphed_decoding_state(model).graph_for(model, key)
+    if suppression is not None:
+        graph.eos_allowed_from.fill_(suppression[0])
+        graph.suppressed_tokens.zero_()
+        graph.suppressed_tokens[list(suppression[1])] = True
     graph.start(encoder_states.to(graph.weights.lm_head.dtype), model_kwargs.get("attention_mask"), input_ids[:, 0])
     length = _run(graph, max_length, logits_processor, generation_config.do_sample)
     sequences = graph.sequences[:, :length].clone()
     if generation_config.return_dict_in_generate:
         return GenerateEncoderDecoderOutput(sequences=sequences)
     return sequences
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    return tuple(torch.as_tensor(ids).reshape(-1).tolist())
+
+
+def _eos_suppression(logits_processor) -> tuple[int, tuple[int, ...]] | None:
+    """(the first decoder position whose next token may be EOS, the EOS ids) when every processor is a minimum
+    length (min_length, min_new_tokens: what a greedy call with such options builds), else None. A processor at
+    position ``p`` sees ``p + 1`` tokens; it masks EOS while their count is below its minimum."""
+    if not logits_processor or any(type(processor) not in _MINIMUM_LENGTHS for processor in logits_processor):
+        return None
+    allowed_from, eos = 0, set()
+    for processor in logits_processor:
+        if isinstance(processor, MinLengthLogitsProcessor):
+            allowed_from = max(allowed_from, processor.min_length - 1)
+        else:
+            allowed_from = max(allowed_from, processor.min_new_tokens + processor.prompt_length_to_skip - 1)
+        eos.update(_token_ids(processor.eos_token_id))
+    return allowed_from, tuple(sorted(eos))
 
 
 def _run(graph: _DecodingGraph, max_length: int, logits_processor, do_sample: bool) -> int:

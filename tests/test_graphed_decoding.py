@@ -84,11 +84,41 @@ def test_eos_early_pads_finished_rows(models):
     assert ended.any()
 
 
-def test_min_new_tokens_holds_eos_back(models):
-    eos = eos_met_early(models)
-    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=16, min_new_tokens=6, eos_token_id=eos)
+@pytest.mark.parametrize("minimum", [{"min_new_tokens": 1}, {"min_new_tokens": 4}, {"min_length": 6}],
+                         ids=lambda minimum: ",".join(f"{k}={v}" for k, v in minimum.items()))
+def test_minimum_lengths_hold_eos_back(gated_untied, minimum):
+    """EOS is a token that a row of T5's plain greedy decoding makes first just before, or at, the first position
+    the minimum allows: held back there, or ending the row exactly there; a minimum misplaced by one position
+    changes one or the other (the tiny tied model repeats its first token: it has no such rows)."""
+    first_allowed = minimum.get("min_new_tokens", minimum.get("min_length", 0) - 1) + 1
+    inputs = {"input_ids": torch.randint(2, TINY["vocab_size"], (8, 9), generator=torch.Generator().manual_seed(0))}
+    for position in (first_allowed - 1, first_allowed):
+        eos = _first_made_at(gated_untied[0], inputs, position)
+        expected, actual = generate_both(gated_untied, **inputs, max_new_tokens=16, eos_token_id=eos, **minimum)
+        assert torch.equal(actual, expected)
+        assert not (actual[:, 1:first_allowed] == eos).any()
+    assert (actual[:, first_allowed] == eos).any()
+
+
+def _first_made_at(model, inputs, position: int) -> int:
+    """A token that some row of the greedy decoding without EOS makes at ``position`` and not before."""
+    sequences = model.generate(**inputs, max_new_tokens=position, eos_token_id=None)
+    for row in sequences:
+        if not (row[1:position] == row[position]).any():
+            return int(row[position])
+    raise AssertionError(f"every row repeats an earlier token at position {position}: choose other inputs")
+
+
+def test_greedy_with_other_processors(gated_untied):
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=12, repetition_penalty=1.3,
+                                     no_repeat_ngram_size=2)
     assert torch.equal(actual, expected)
-    assert not (actual[:, 1:7] == eos).any()
+
+
+def test_static_cache_asked_for(gated_untied):
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=10,
+                                     cache_implementation="static")
+    assert torch.equal(actual, expected)
 
 
 def test_max_length(models):
