@@ -331,10 +331,11 @@ class _DecodingGraph:
         self.config, self.weights, self.key = config, weights, key
         layers, heads, batch = len(weights.query_key_value), config.num_heads, key.batch
         self.token = torch.zeros(batch, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # the token's position and the next one, advanced by one kernel; ``position`` and ``next_position`` view it
+        self.positions = torch.tensor([0, 1], dtype=torch.long, device=device)
+        self.position, self.next_position = self.positions[:1], self.positions[1:]
         self.sequences = torch.zeros(batch, key.cache_length + 1, dtype=torch.long, device=device)
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        self.steps_taken = torch.zeros((), dtype=torch.long, device=device)
         self.eos = None if key.eos_token_ids is None else torch.tensor(key.eos_token_ids, device=device)
         # the tokens masked before position ``eos_allowed_from`` (min_length / min_new_tokens), set by each call
         self.eos_allowed_from = torch.zeros(1, dtype=torch.long, device=device)
@@ -367,9 +368,8 @@ class _DecodingGraph:
     def restart(self, first_tokens: torch.Tensor) -> None:
         self.token.copy_(first_tokens)
         self.sequences[:, 0] = first_tokens
-        self.position.zero_()
+        self.positions.copy_(torch.arange(2, device=self.positions.device))
         self.unfinished.fill_(True)
-        self.steps_taken.zero_()
 
     def _step(self) -> torch.Tensor:
         logits = _decoder_step(self.config, self.weights, self)
@@ -383,12 +383,11 @@ class _DecodingGraph:
     def advance(self, next_tokens: torch.Tensor) -> None:
         """Write the chosen tokens (pad after a row's EOS, as transformers does) and move to the next position."""
         if self.eos is not None:
-            self.steps_taken.add_(self.unfinished.any())
             next_tokens = torch.where(self.unfinished, next_tokens, self.key.pad_token_id)
-            self.unfinished.logical_and_(~torch.isin(next_tokens, self.eos))
-        self.sequences.index_copy_(1, self.position + 1, next_tokens[:, None])
+            self.unfinished.logical_and_(torch.isin(next_tokens, self.eos, invert=True))
+        self.sequences.index_copy_(1, self.next_position, next_tokens[:, None])
         self.token.copy_(next_tokens)
-        self.position.add_(1)
+        self.positions.add_(1)
 
     def replay(self) -> None:
         """One decoding step: the captured graph on a GPU (captured at the first call), the calls eagerly elsewhere."""
@@ -526,4 +525,13 @@ def _run(graph: _DecodingGraph, max_length: int, logits_processor, do_sample: bo
         looks = do_sample or length % HOST_CHECK_EVERY == 0
         if tracks_eos and looks and not graph.unfinished.any():
             break
-    return 1 + int(graph.steps_taken) if tracks_eos else max_length
+    return _finished_length(graph, max_length) if tracks_eos else max_length
+
+
+def _finished_length(graph: _DecodingGraph, max_length: int) -> int:
+    """Where transformers' loop stops: after the step at which the last row makes its first EOS (the tokens before
+    a row's first EOS are none, those after it padding), or at ``max_length`` while a row has none."""
+    generated = graph.sequences[:, 1:max_length]
+    is_eos = torch.isin(generated, graph.eos)
+    ended_at = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, max_length - 1)
+    return 1 + int(ended_at.max())
