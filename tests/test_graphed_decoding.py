@@ -288,14 +288,51 @@ def _property_models():
     return _PROPERTY_MODELS
 
 
+def _use_backend(model, backend: str):
+    """Every module's kernels on ``backend``: the modules keep the backend they were made with."""
+    for module in model.modules():
+        for name in ("backend", "activation_backend"):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, backend)
+    return model
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_attention_matches_the_reference(causal):
+    """The decoding kernel with T5's bias rows made beforehand, the offset read from the device and keys and values
+    interleaved as in the cross-attention buffer, against the reference attention."""
+    from fat5.kernels.attention import attention
+    from fat5.kernels.attention_triton import decode_attention, t5_bias_rows
+    from fat5.kernels.position_bias import NO_POSITION_BIAS, PositionBias
+
+    torch.manual_seed(0)
+    batch, heads, head_dim, keys = 2, 2, 16, 40
+    bias = PositionBias.t5(torch.randn(8, heads), bidirectional=False, max_distance=16) if causal else NO_POSITION_BIAS
+    query = torch.randn(batch, heads, 1, head_dim)
+    storage = torch.randn(batch, keys, 2, heads, head_dim)
+    key, value = storage[:, :, 0].transpose(1, 2), storage[:, :, 1].transpose(1, 2)
+    mask = None if causal else torch.arange(keys)[None, :] < torch.tensor([[keys], [17]])
+    offset = torch.tensor([23])
+    actual = decode_attention(query, key, value, position_bias=bias, causal=causal, key_padding_mask=mask,
+                              t5_bias_rows=t5_bias_rows(bias) if causal else None, query_offset=offset)
+    expected = attention(query, key, value, position_bias=bias, causal=causal, key_padding_mask=mask,
+                         query_offset=23, backend="reference")
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_triton_step_gives_transformers_ids():
+    hf, fat5 = hf_and_fat5("t5v1.1")
+    inputs = {"input_ids": batch_inputs()["input_ids"][1:], "attention_mask": batch_inputs()["attention_mask"][1:]}
+    expected, actual = generate_both((hf, _use_backend(_graphed(fat5), "triton")), **inputs, max_new_tokens=4)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_matches_eager_step_and_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
-    fat5 = fat5.cuda()
-    for module in fat5.modules():  # the modules keep the backend they were made with: Triton on the GPU
-        for name in ("backend", "activation_backend"):
-            if getattr(module, name, None) == "reference":
-                setattr(module, name, "auto")
+    fat5 = _use_backend(fat5.cuda(), "auto")
     inputs = {name: tensor.cuda() for name, tensor in batch_inputs().items()}
     eos = int(fat5.generate(**inputs, max_new_tokens=8)[0, 2])
     outputs = {}
