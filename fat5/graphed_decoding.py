@@ -94,6 +94,8 @@ def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict |
 def unsupported_model_reason(model) -> str | None:
     """Why the graphed step cannot stand for this model's decoder, or None when it can."""
     config = model.config
+    if config.num_decoder_layers == 0:
+        return "no decoder layers"
     if config.position_encoding not in _POSITION_ENCODINGS:
         return f"position_encoding={config.position_encoding!r} (supported: {_POSITION_ENCODINGS})"
     linears = [module for module in model.decoder.modules() if isinstance(module, nn.Linear)] + [model.lm_head]
@@ -343,7 +345,9 @@ class _DecodingGraph:
         # zeros: the slots that causal masking hides must hold no NaN for the products with their zero weights
         self.self_cache = torch.zeros(layers, 2, batch, heads, key.cache_length, config.d_kv, dtype=dtype,
                                       device=device)
-        self.cross_key_value = torch.zeros(batch, key.encoder_length, layers * 2 * heads * config.d_kv, dtype=dtype,
+        # encoder position first: the positions of a shorter input are one contiguous block, which the projection
+        # writes in place (a (batch, length) layout would need the product in a temporary as large as the buffer)
+        self.cross_key_value = torch.zeros(key.encoder_length, batch, layers * 2 * heads * config.d_kv, dtype=dtype,
                                            device=device)
         self.cross_mask = torch.zeros(batch, key.encoder_length, dtype=torch.bool, device=device)
         self.logits = None
@@ -353,14 +357,16 @@ class _DecodingGraph:
         """Layer ``layer``'s cross-attention keys and values, (batch, heads, encoder_length, head_dim) views."""
         batch, length = self.cross_mask.shape
         layers = len(self.weights.query_key_value)
-        per_layer = self.cross_key_value.view(batch, length, layers, 2, self.config.num_heads, self.config.d_kv)
-        return per_layer[:, :, layer, 0].transpose(1, 2), per_layer[:, :, layer, 1].transpose(1, 2)
+        per_layer = self.cross_key_value.view(length, batch, layers, 2, self.config.num_heads, self.config.d_kv)
+        return per_layer[:, :, layer, 0].permute(1, 2, 0, 3), per_layer[:, :, layer, 1].permute(1, 2, 0, 3)
 
     def start(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor | None, first_tokens: torch.Tensor):
         """Project the encoder's states into every layer's cross-attention keys and values, and set the loop back
         to position 0 with ``first_tokens`` (batch,)."""
-        length = encoder_states.shape[1]
-        self.cross_key_value[:, :length].copy_(nn.functional.linear(encoder_states, self.weights.cross_key_value))
+        batch, length, _ = encoder_states.shape
+        positions_first = encoder_states.transpose(0, 1).reshape(length * batch, -1)
+        torch.mm(positions_first, self.weights.cross_key_value.t(),
+                 out=self.cross_key_value[:length].view(length * batch, -1))
         self.cross_mask.zero_()
         self.cross_mask[:, :length] = True if attention_mask is None else attention_mask.bool()
         self.restart(first_tokens)
