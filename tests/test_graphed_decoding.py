@@ -334,6 +334,7 @@ def test_cuda_graph_matches_eager_step_and_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
     fat5 = _use_backend(fat5.cuda(), "auto")
     inputs = {name: tensor.cuda() for name, tensor in batch_inputs().items()}
+    fat5.config.graphed_decoding = "never"
     eos = int(fat5.generate(**inputs, max_new_tokens=8)[0, 2])
     outputs = {}
     for mode in ("never", "always"):
@@ -346,6 +347,14 @@ def test_cuda_graph_matches_eager_step_and_transformers_loop():
     # the same buffers, the step run eagerly instead of replayed
     graph._replay = graph._eager_step
     assert torch.equal(fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos), outputs["never"])
+    # EOS masked inside the graph; sampling from the graph's logits
+    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}):
+        outputs = {}
+        for mode in ("never", "always"):
+            fat5.config.graphed_decoding = mode
+            torch.manual_seed(0)
+            outputs[mode] = fat5.generate(**inputs, max_new_tokens=20, eos_token_id=eos, **options)
+        assert torch.equal(outputs["always"], outputs["never"]), options
     fat5.to(torch.bfloat16)
     bf16 = fat5.generate(**inputs, max_new_tokens=40)
     assert bf16.shape[0] == 3
