@@ -434,6 +434,16 @@ class GraphedDecodingState:
         self.graph_builds = 0
         self.graph_uses = 0
 
+    def __reduce__(self):
+        # a copy or a pickle of the model starts empty: the graphs and buffers belong to this model's weights (and a
+        # CUDA graph can be neither copied nor pickled)
+        return GraphedDecodingState, ()
+
+    def clear(self) -> None:
+        """Drop the derived weights, the graphs and their buffers (their memory goes back to PyTorch's allocator)."""
+        self.graphs.clear()
+        self.weights = self.weights_key = None
+
     def graph_for(self, model, key: _GraphKey) -> _DecodingGraph:
         weights_key = _weights_key(model)
         if weights_key != self.weights_key:
@@ -452,7 +462,7 @@ class GraphedDecodingState:
 
 
 def graphed_decoding_state(model) -> GraphedDecodingState:
-    """The model's :class:`GraphedDecodingState`, made at its first graphed call."""
+    """The model's :class:`GraphedDecodingState`, made at its first graphed call; ``.clear()`` frees its memory."""
     state = model.__dict__.get("_graphed_decoding_state")
     if state is None:
         state = model.__dict__["_graphed_decoding_state"] = GraphedDecodingState()

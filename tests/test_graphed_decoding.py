@@ -4,6 +4,9 @@ weights (fp32, CPU: the step runs eagerly under ``graphed_decoding="always"``), 
 captured graph against the eager step.
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 from helpers import TINY, hf_and_fat5, padded_batch
@@ -230,6 +233,20 @@ def test_other_options_take_transformers_loop(gated_untied, options):
     sequences = getattr(actual, "sequences", actual)
     assert torch.equal(sequences, getattr(expected, "sequences", expected))
     assert _graph_uses(fat5) == uses
+
+
+def test_copies_start_empty_and_clear_frees():
+    hf, fat5 = hf_and_fat5("t5v1.1", seed=9)
+    expected, _ = generate_both((hf, _graphed(fat5)), **batch_inputs(), max_new_tokens=4)
+    copied = copy.deepcopy(fat5)
+    restored = pickle.loads(pickle.dumps(fat5))
+    for model in (copied, restored):
+        assert graphed_decoding_state(model).graphs == {}
+        assert torch.equal(model.generate(**batch_inputs(), max_new_tokens=4), expected)
+    state = graphed_decoding_state(fat5)
+    state.clear()
+    assert (state.weights, len(state.graphs)) == (None, 0)
+    assert torch.equal(fat5.generate(**batch_inputs(), max_new_tokens=4), expected)
 
 
 def test_never_and_auto_on_cpu_keep_transformers_loop():
