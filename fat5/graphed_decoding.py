@@ -174,7 +174,7 @@ class _DecoderWeights:
             final_norm=final_norm,
             lm_head=model.lm_head.weight,
             position_bias=position_bias,
-            t5_bias_rows=[_t5_bias_rows(attention_backend, bias) for bias in position_bias],
+            t5_bias_rows=_t5_bias_rows(attention_backend, position_bias),
             norm_backend=model.decoder.final_layer_norm.backend,
             attention_backend=attention_backend,
             activation_backend=feed_forwards[0].activation_backend,
@@ -192,24 +192,29 @@ def _position_biases(model, self_attentions) -> list[PositionBias]:
     ``position_bias_per_layer``), ALiBi's slopes, or none (RoPE rotates q and k instead)."""
     config = model.config
     if config.position_encoding == "t5":
-        owners = self_attentions if config.position_bias_per_layer else [self_attentions[0]] * len(self_attentions)
-        return [
+        owners = self_attentions if config.position_bias_per_layer else self_attentions[:1]
+        biases = [
             PositionBias.t5(owner.relative_attention_bias.weight, bidirectional=False,
                             max_distance=config.relative_attention_max_distance)
             for owner in owners
         ]
+        return biases if config.position_bias_per_layer else biases * len(self_attentions)
     if config.position_encoding == "alibi":
         slopes = PositionBias.alibi(alibi_slopes(config.num_heads).to(model.lm_head.weight.device))
         return [slopes] * len(self_attentions)
     return [NO_POSITION_BIAS] * len(self_attentions)
 
 
-def _t5_bias_rows(backend: str, position_bias: PositionBias) -> torch.Tensor | None:
-    if position_bias.kind != "t5" or not use_triton(backend, position_bias.tensor):
-        return None
-    from .kernels.attention_triton import t5_bias_rows
+def _t5_bias_rows(backend: str, position_biases: list[PositionBias]) -> list[torch.Tensor | None]:
+    """Each layer's T5 bias by relative position for the decoding kernel, made once per table (the layers that
+    share the first layer's table share its rows); None where the kernel does not run or the bias is no T5 one."""
+    rows_by_bias = {}
+    for bias in position_biases:
+        if id(bias) not in rows_by_bias and bias.kind == "t5" and use_triton(backend, bias.tensor):
+            from .kernels.attention_triton import t5_bias_rows
 
-    return t5_bias_rows(position_bias)
+            rows_by_bias[id(bias)] = t5_bias_rows(bias)
+    return [rows_by_bias.get(id(bias)) for bias in position_biases]
 
 
 # ----------------------------------------------------------------------------------------------------------------
