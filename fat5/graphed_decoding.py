@@ -18,10 +18,10 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
   lengths replay a graph already captured. At most ``MAX_KEPT_GRAPHS`` are kept, the least recently used dropped.
   On a CPU the same step runs eagerly.
 - the loop (:func:`_run`): greedy decoding picks the token inside the graph, EOS masked there under min_length /
-  min_new_tokens; any other logits processor (and sampling) is transformers' own, run eagerly on the step's logits. Finished rows are tracked on the
-  device (tokens after EOS are ``pad_token_id``, as in transformers) and the host looks at them every
-  ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly the random numbers that
-  transformers' loop draws.
+  min_new_tokens; any other logits processor (and sampling) is transformers' own, run eagerly on the step's
+  logits. Finished rows are tracked on the device (tokens after EOS are ``pad_token_id``, as in transformers) and
+  the host looks at them every ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly
+  the random numbers that transformers' loop draws.
 
 Anything this loop does not follow (beam search, scores, attentions, custom stopping criteria, a decoder prefix...)
 keeps transformers' loop, unchanged.
@@ -262,8 +262,8 @@ def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.T
         key_value = torch.stack((key, key_value[1]))
     cache = buffers.self_cache[layer]
     cache.index_copy_(3, buffers.position, key_value)
-    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
-                     causal=True, query_offset=buffers.position)
+    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer],
+                     weights.t5_bias_rows[layer], causal=True, query_offset=buffers.position)
     # in place: out of place, addmm copies the residual into a new tensor first (one more kernel)
     return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
 
