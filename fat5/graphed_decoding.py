@@ -98,15 +98,28 @@ def unsupported_model_reason(model) -> str | None:
         return "no decoder layers"
     if config.position_encoding not in _POSITION_ENCODINGS:
         return f"position_encoding={config.position_encoding!r} (supported: {_POSITION_ENCODINGS})"
-    linears = [module for module in model.decoder.modules() if isinstance(module, nn.Linear)] + [model.lm_head]
-    if any(type(module) is not nn.Linear or module.bias is not None for module in linears):
-        return "a decoder projection is not a plain bias-free nn.Linear (an adapter wraps it)"
+    if any(type(module) is not nn.Linear or module.bias is not None for module in _projections(model)):
+        return "a decoder projection is not a plain bias-free nn.Linear (an adapter such as LoRA wraps it)"
+    if type(model.decoder.embed_tokens) is not nn.Embedding:
+        return "the decoder's embedding is not a plain nn.Embedding"
     parameters = [*model.decoder.parameters(), model.lm_head.weight]
     if len({(parameter.dtype, parameter.device) for parameter in parameters}) != 1:
         return "the decoder's parameters differ in dtype or device"
     if not parameters[0].dtype.is_floating_point:
         return f"the decoder's weights are {parameters[0].dtype} (quantised)"
     return None
+
+
+def _projections(model) -> list[nn.Module]:
+    """The decoder's projections whose weights the step reads, and the output layer."""
+    projections = [model.lm_head]
+    for block in model.decoder.block:
+        for attention_ in (block.layer[0].SelfAttention, block.layer[1].EncDecAttention):
+            projections += [attention_.q, attention_.k, attention_.v, attention_.o]
+        feed_forward = block.layer[2].DenseReluDense
+        names = ("wi", "wo") if hasattr(feed_forward, "wi") else ("wi_0", "wi_1", "wo")
+        projections += [getattr(feed_forward, name) for name in names]
+    return projections
 
 
 def _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) -> str | None:

@@ -249,6 +249,20 @@ def test_copies_start_empty_and_clear_frees():
     assert torch.equal(fat5.generate(**batch_inputs(), max_new_tokens=4), expected)
 
 
+def test_lora_adapters_keep_transformers_loop():
+    """The step reads the projections' own weights: an adapter's share would be lost."""
+    from peft import LoraConfig, get_peft_model
+
+    _, fat5 = hf_and_fat5("t5v1.1")
+    expected = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    model = get_peft_model(_graphed(fat5), LoraConfig(task_type="SEQ_2_SEQ_LM", init_lora_weights=False))
+    adapted = model.generate(**batch_inputs(), max_new_tokens=5)
+    assert "_graphed_decoding_state" not in fat5.__dict__
+    with model.disable_adapter():
+        assert torch.equal(model.generate(**batch_inputs(), max_new_tokens=5), expected)
+    assert not torch.equal(adapted, expected)
+
+
 def test_never_and_auto_on_cpu_keep_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
     for mode in ("never", "auto"):
