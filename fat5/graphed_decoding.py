@@ -102,6 +102,9 @@ def unsupported_model_reason(model) -> str | None:
         return "a decoder projection is not a plain bias-free nn.Linear (an adapter such as LoRA wraps it)"
     if type(model.decoder.embed_tokens) is not nn.Embedding:
         return "the decoder's embedding is not a plain nn.Embedding"
+    modules = [*model.decoder.modules(), model.lm_head]
+    if any(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook") for module in modules):
+        return "a decoder module has forward hooks (accelerate's offloading, a user's hook), which the step would skip"
     parameters = [*model.decoder.parameters(), model.lm_head.weight]
     if len({(parameter.dtype, parameter.device) for parameter in parameters}) != 1:
         return "the decoder's parameters differ in dtype or device"

@@ -263,6 +263,16 @@ def test_lora_adapters_keep_transformers_loop():
     assert not torch.equal(adapted, expected)
 
 
+def test_forward_hooks_keep_transformers_loop():
+    _, fat5 = hf_and_fat5("t5v1.1")
+    expected = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    handle = _graphed(fat5).decoder.block[0].layer[2].register_forward_hook(lambda module, args, output: -output)
+    hooked = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    handle.remove()
+    assert "_graphed_decoding_state" not in fat5.__dict__
+    assert not torch.equal(hooked, expected)
+
+
 def test_never_and_auto_on_cpu_keep_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
     for mode in ("never", "auto"):
