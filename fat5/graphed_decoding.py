@@ -496,7 +496,9 @@ def graphed_decoding_state(model) -> GraphedDecodingState:
 
 def graphed_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """``generate``'s decoding loop (its ``custom_generate``) for greedy and sampled decoding: transformers' own
-    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow."""
+    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow. With
+    ``return_dict_in_generate`` the output holds the ``sequences`` alone: the keys and values stay in the graph's
+    buffers, so its ``cache`` is None (transformers' is the cache it filled)."""
     if _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) is not None:
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        **model_kwargs)
