@@ -137,6 +137,7 @@ def test_max_length(models):
         {"top_k": 5},
         {"top_p": 0.8, "temperature": 1.3},
         {"repetition_penalty": 1.5, "top_k": 20},
+        {"num_return_sequences": 2},
     ],
     ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()),
 )
