@@ -1,12 +1,12 @@
 """FAT5's greedy and sampled decoding through a decoding step of few kernels, replayed from CUDA graphs.
 
-``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_decoding_applies` says so:
+``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_generate_arguments` allows:
 transformers prepares the call as for its own loop (generation config, the encoder's outputs, logits processors,
 stopping criteria) and runs :func:`graphed_decode` as its ``custom_generate`` loop. What differs from transformers'
 loop, where FAT5's step is some 330 kernels, launched by the host between ``generate``'s own bookkeeping:
 
 - the step (:func:`_decoder_step`): per decoder layer one product for self-attention's q, k and v, one for the
-  feed-forward's input projections, the residual added by each output projection (``addmm``), FAT5's RMSNorm,
+  feed-forward's input projections, the residual added by each output projection (``addmm_``), FAT5's RMSNorm,
   attention and activation kernels; the cross-attention keys and values of every layer come from one product of the
   encoder's output at the start of the call; T5's bias by relative position is made once per version of the weights,
   not by every attention launch. These derived weights (:class:`_DecoderWeights`) are kept on the model and made
@@ -17,11 +17,11 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
   are masked) and the self-attention cache holds ``max_length - 1`` positions rounded up, so that calls of other
   lengths replay a graph already captured. At most ``MAX_KEPT_GRAPHS`` are kept, the least recently used dropped.
   On a CPU the same step runs eagerly.
-- the loop (:func:`_run`): greedy decoding without logits processors picks the token inside the graph; otherwise
-  transformers' own processors (and sampling) run eagerly on the step's logits. Finished rows are tracked on the
-  device (tokens after EOS are ``pad_token_id``, as in transformers) and the host looks at them every
-  ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly the random numbers that
-  transformers' loop draws.
+- the loop (:func:`_run`): greedy decoding picks the token inside the graph, EOS masked there under min_length /
+  min_new_tokens; any other logits processor (and sampling) is transformers' own, run eagerly on the step's
+  logits. Finished rows are tracked on the device (tokens after EOS are ``pad_token_id``, as in transformers) and
+  the host looks at them every ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly
+  the random numbers that transformers' loop draws.
 
 Anything this loop does not follow (beam search, scores, attentions, custom stopping criteria, a decoder prefix...)
 keeps transformers' loop, unchanged.
@@ -36,6 +36,7 @@ from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.generation import GenerateEncoderDecoderOutput
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .kernels.activation import gated_activation
@@ -53,8 +54,9 @@ _POSITION_ENCODINGS = ("t5", "alibi", "rope", "none")
 _LOOP_ARGUMENTS = (
     "assistant_model", "streamer", "custom_generate", "prefix_allowed_tokens_fn", "negative_prompt_ids",
     "negative_prompt_attention_mask", "synced_gpus", "tokenizer", "assistant_tokenizer", "cache", "past_key_values",
-    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask", "use_cache",
+    "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask",
 )
+_MINIMUM_LENGTHS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -62,40 +64,65 @@ _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "outpu
 # When the loop applies
 
 
-def graphed_decoding_applies(model, generation_config, kwargs: dict) -> bool:
-    """Whether ``model.generate(generation_config=generation_config, **kwargs)`` takes :func:`graphed_decode`:
-    ``config.graphed_decoding`` allows it here, the model is in eval mode with plain weights, and the call asks for
-    greedy or sampled decoding (one beam) with options that the loop follows."""
+def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict | None:
+    """The arguments with which ``model.generate(generation_config=generation_config, **kwargs)`` runs
+    :func:`graphed_decode` as its loop, or None where transformers' loop serves: ``config.graphed_decoding``
+    forbids the graphed loop here, the model is training or has weights the step cannot read (an adapter, FIRE), or
+    the call asks for something other than greedy or sampled decoding (one beam) with options the loop follows. A
+    cache implementation asked for is dropped: the loop has static buffers of its own, and transformers would
+    allocate the cache before it for nothing."""
     mode = model.config.graphed_decoding
     if mode == "never" or (mode == "auto" and model.device.type != "cuda"):
-        return False
+        return None
     if model.training or unsupported_model_reason(model) is not None:
-        return False
+        return None
     if any(kwargs.get(name) is not None for name in _LOOP_ARGUMENTS):
-        return False
+        return None
     if kwargs.get("logits_processor") or kwargs.get("stopping_criteria"):
-        return False
+        return None
     config, _ = model._prepare_generation_config(generation_config, **kwargs)
     if config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return False
-    asks_more = any(getattr(config, name, False) for name in _OUTPUT_OPTIONS)
-    return not asks_more and config.stop_strings is None and config.max_time is None
+        return None
+    if any(getattr(config, name, False) for name in _OUTPUT_OPTIONS) or config.stop_strings or config.max_time:
+        return None
+    arguments = {**kwargs, "custom_generate": graphed_decode}
+    if config.cache_implementation is not None:
+        arguments["cache_implementation"] = None
+    return arguments
 
 
 def unsupported_model_reason(model) -> str | None:
     """Why the graphed step cannot stand for this model's decoder, or None when it can."""
     config = model.config
+    if config.num_decoder_layers == 0:
+        return "no decoder layers"
     if config.position_encoding not in _POSITION_ENCODINGS:
         return f"position_encoding={config.position_encoding!r} (supported: {_POSITION_ENCODINGS})"
-    linears = [module for module in model.decoder.modules() if isinstance(module, nn.Linear)] + [model.lm_head]
-    if any(type(module) is not nn.Linear or module.bias is not None for module in linears):
-        return "a decoder projection is not a plain bias-free nn.Linear (an adapter wraps it)"
+    if any(type(module) is not nn.Linear or module.bias is not None for module in _projections(model)):
+        return "a decoder projection is not a plain bias-free nn.Linear (an adapter such as LoRA wraps it)"
+    if type(model.decoder.embed_tokens) is not nn.Embedding:
+        return "the decoder's embedding is not a plain nn.Embedding"
+    modules = [*model.decoder.modules(), model.lm_head]
+    if any(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook") for module in modules):
+        return "a decoder module has forward hooks (accelerate's offloading, a user's hook), which the step would skip"
     parameters = [*model.decoder.parameters(), model.lm_head.weight]
     if len({(parameter.dtype, parameter.device) for parameter in parameters}) != 1:
         return "the decoder's parameters differ in dtype or device"
     if not parameters[0].dtype.is_floating_point:
         return f"the decoder's weights are {parameters[0].dtype} (quantised)"
     return None
+
+
+def _projections(model) -> list[nn.Module]:
+    """The decoder's projections whose weights the step reads, and the output layer."""
+    projections = [model.lm_head]
+    for block in model.decoder.block:
+        for attention_ in (block.layer[0].SelfAttention, block.layer[1].EncDecAttention):
+            projections += [attention_.q, attention_.k, attention_.v, attention_.o]
+        feed_forward = block.layer[2].DenseReluDense
+        names = ("wi", "wo") if hasattr(feed_forward, "wi") else ("wi_0", "wi_1", "wo")
+        projections += [getattr(feed_forward, name) for name in names]
+    return projections
 
 
 def _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) -> str | None:
@@ -163,7 +190,7 @@ class _DecoderWeights:
             final_norm=final_norm,
             lm_head=model.lm_head.weight,
             position_bias=position_bias,
-            t5_bias_rows=[_t5_bias_rows(attention_backend, bias) for bias in position_bias],
+            t5_bias_rows=_t5_bias_rows(attention_backend, position_bias),
             norm_backend=model.decoder.final_layer_norm.backend,
             attention_backend=attention_backend,
             activation_backend=feed_forwards[0].activation_backend,
@@ -181,24 +208,29 @@ def _position_biases(model, self_attentions) -> list[PositionBias]:
     ``position_bias_per_layer``), ALiBi's slopes, or none (RoPE rotates q and k instead)."""
     config = model.config
     if config.position_encoding == "t5":
-        owners = self_attentions if config.position_bias_per_layer else [self_attentions[0]] * len(self_attentions)
-        return [
+        owners = self_attentions if config.position_bias_per_layer else self_attentions[:1]
+        biases = [
             PositionBias.t5(owner.relative_attention_bias.weight, bidirectional=False,
                             max_distance=config.relative_attention_max_distance)
             for owner in owners
         ]
+        return biases if config.position_bias_per_layer else biases * len(self_attentions)
     if config.position_encoding == "alibi":
         slopes = PositionBias.alibi(alibi_slopes(config.num_heads).to(model.lm_head.weight.device))
         return [slopes] * len(self_attentions)
     return [NO_POSITION_BIAS] * len(self_attentions)
 
 
-def _t5_bias_rows(backend: str, position_bias: PositionBias) -> torch.Tensor | None:
-    if position_bias.kind != "t5" or not use_triton(backend, position_bias.tensor):
-        return None
-    from .kernels.attention_triton import t5_bias_rows
+def _t5_bias_rows(backend: str, position_biases: list[PositionBias]) -> list[torch.Tensor | None]:
+    """Each layer's T5 bias by relative position for the decoding kernel, made once per table (the layers that
+    share the first layer's table share its rows); None where the kernel does not run or the bias is no T5 one."""
+    rows_by_bias = {}
+    for bias in position_biases:
+        if id(bias) not in rows_by_bias and bias.kind == "t5" and use_triton(backend, bias.tensor):
+            from .kernels.attention_triton import t5_bias_rows
 
-    return t5_bias_rows(position_bias)
+            rows_by_bias[id(bias)] = t5_bias_rows(bias)
+    return [rows_by_bias.get(id(bias)) for bias in position_biases]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -246,9 +278,10 @@ def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.T
         key_value = torch.stack((key, key_value[1]))
     cache = buffers.self_cache[layer]
     cache.index_copy_(3, buffers.position, key_value)
-    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer], weights.t5_bias_rows[layer],
-                     causal=True, query_offset=buffers.position)
-    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
+    output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer],
+                     weights.t5_bias_rows[layer], causal=True, query_offset=buffers.position)
+    # in place: out of place, addmm copies the residual into a new tensor first (one more kernel)
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
 
 
 def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -257,7 +290,7 @@ def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.
     query = nn.functional.linear(normed, weights.cross_query[layer]).view(batch, heads, 1, head_dim)
     key, value = buffers.cross_key_value_of(layer)
     output = _attend(config, weights, query, key, value, key_padding_mask=buffers.cross_mask)
-    return torch.addmm(hidden_states, output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
 
 
 def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -272,7 +305,7 @@ def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> t
     else:
         activated = ACT2FN[config.dense_act_fn](gate)
         activated = activated if linear is None else activated * linear
-    return torch.addmm(hidden_states, activated, weights.feed_forward_output[layer].t())
+    return hidden_states.addmm_(activated, weights.feed_forward_output[layer].t())
 
 
 def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -> torch.Tensor:
@@ -306,6 +339,7 @@ class _GraphKey:
     encoder_length: int
     cache_length: int
     greedy_in_graph: bool
+    suppresses_eos: bool  # greedy under min_length / min_new_tokens: EOS masked inside the graph
     eos_token_ids: tuple[int, ...] | None
     pad_token_id: int | None
 
@@ -320,15 +354,21 @@ class _DecodingGraph:
         self.config, self.weights, self.key = config, weights, key
         layers, heads, batch = len(weights.query_key_value), config.num_heads, key.batch
         self.token = torch.zeros(batch, dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # the token's position and the next one, advanced by one kernel; ``position`` and ``next_position`` view it
+        self.positions = torch.tensor([0, 1], dtype=torch.long, device=device)
+        self.position, self.next_position = self.positions[:1], self.positions[1:]
         self.sequences = torch.zeros(batch, key.cache_length + 1, dtype=torch.long, device=device)
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        self.steps_taken = torch.zeros((), dtype=torch.long, device=device)
         self.eos = None if key.eos_token_ids is None else torch.tensor(key.eos_token_ids, device=device)
+        # the tokens masked before position ``eos_allowed_from`` (min_length / min_new_tokens), set by each call
+        self.eos_allowed_from = torch.zeros(1, dtype=torch.long, device=device)
+        self.suppressed_tokens = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
         # zeros: the slots that causal masking hides must hold no NaN for the products with their zero weights
         self.self_cache = torch.zeros(layers, 2, batch, heads, key.cache_length, config.d_kv, dtype=dtype,
                                       device=device)
-        self.cross_key_value = torch.zeros(batch, key.encoder_length, layers * 2 * heads * config.d_kv, dtype=dtype,
+        # encoder position first: the positions of a shorter input are one contiguous block, which the projection
+        # writes in place (a (batch, length) layout would need the product in a temporary as large as the buffer)
+        self.cross_key_value = torch.zeros(key.encoder_length, batch, layers * 2 * heads * config.d_kv, dtype=dtype,
                                            device=device)
         self.cross_mask = torch.zeros(batch, key.encoder_length, dtype=torch.bool, device=device)
         self.logits = None
@@ -338,14 +378,16 @@ class _DecodingGraph:
         """Layer ``layer``'s cross-attention keys and values, (batch, heads, encoder_length, head_dim) views."""
         batch, length = self.cross_mask.shape
         layers = len(self.weights.query_key_value)
-        per_layer = self.cross_key_value.view(batch, length, layers, 2, self.config.num_heads, self.config.d_kv)
-        return per_layer[:, :, layer, 0].transpose(1, 2), per_layer[:, :, layer, 1].transpose(1, 2)
+        per_layer = self.cross_key_value.view(length, batch, layers, 2, self.config.num_heads, self.config.d_kv)
+        return per_layer[:, :, layer, 0].permute(1, 2, 0, 3), per_layer[:, :, layer, 1].permute(1, 2, 0, 3)
 
     def start(self, encoder_states: torch.Tensor, attention_mask: torch.Tensor | None, first_tokens: torch.Tensor):
         """Project the encoder's states into every layer's cross-attention keys and values, and set the loop back
         to position 0 with ``first_tokens`` (batch,)."""
-        length = encoder_states.shape[1]
-        self.cross_key_value[:, :length].copy_(nn.functional.linear(encoder_states, self.weights.cross_key_value))
+        batch, length, _ = encoder_states.shape
+        positions_first = encoder_states.transpose(0, 1).reshape(length * batch, -1)
+        torch.mm(positions_first, self.weights.cross_key_value.t(),
+                 out=self.cross_key_value[:length].view(length * batch, -1))
         self.cross_mask.zero_()
         self.cross_mask[:, :length] = True if attention_mask is None else attention_mask.bool()
         self.restart(first_tokens)
@@ -353,25 +395,26 @@ class _DecodingGraph:
     def restart(self, first_tokens: torch.Tensor) -> None:
         self.token.copy_(first_tokens)
         self.sequences[:, 0] = first_tokens
-        self.position.zero_()
+        self.positions.copy_(torch.arange(2, device=self.positions.device))
         self.unfinished.fill_(True)
-        self.steps_taken.zero_()
 
     def _step(self) -> torch.Tensor:
         logits = _decoder_step(self.config, self.weights, self)
         if self.key.greedy_in_graph:
+            if self.key.suppresses_eos:
+                masked = self.suppressed_tokens & (self.position < self.eos_allowed_from)
+                logits = torch.where(masked, float("-inf"), logits)
             self.advance(logits.argmax(dim=-1))
         return logits
 
     def advance(self, next_tokens: torch.Tensor) -> None:
         """Write the chosen tokens (pad after a row's EOS, as transformers does) and move to the next position."""
         if self.eos is not None:
-            self.steps_taken.add_(self.unfinished.any())
             next_tokens = torch.where(self.unfinished, next_tokens, self.key.pad_token_id)
-            self.unfinished.logical_and_(~torch.isin(next_tokens, self.eos))
-        self.sequences.index_copy_(1, self.position + 1, next_tokens[:, None])
+            self.unfinished.logical_and_(torch.isin(next_tokens, self.eos, invert=True))
+        self.sequences.index_copy_(1, self.next_position, next_tokens[:, None])
         self.token.copy_(next_tokens)
-        self.position.add_(1)
+        self.positions.add_(1)
 
     def replay(self) -> None:
         """One decoding step: the captured graph on a GPU (captured at the first call), the calls eagerly elsewhere."""
@@ -412,6 +455,16 @@ class GraphedDecodingState:
         self.graph_builds = 0
         self.graph_uses = 0
 
+    def __reduce__(self):
+        # a copy or a pickle of the model starts empty: the graphs and buffers belong to this model's weights (and a
+        # CUDA graph can be neither copied nor pickled)
+        return GraphedDecodingState, ()
+
+    def clear(self) -> None:
+        """Drop the derived weights, the graphs and their buffers (their memory goes back to PyTorch's allocator)."""
+        self.graphs.clear()
+        self.weights = self.weights_key = None
+
     def graph_for(self, model, key: _GraphKey) -> _DecodingGraph:
         weights_key = _weights_key(model)
         if weights_key != self.weights_key:
@@ -430,7 +483,7 @@ class GraphedDecodingState:
 
 
 def graphed_decoding_state(model) -> GraphedDecodingState:
-    """The model's :class:`GraphedDecodingState`, made at its first graphed call."""
+    """The model's :class:`GraphedDecodingState`, made at its first graphed call; ``.clear()`` frees its memory."""
     state = model.__dict__.get("_graphed_decoding_state")
     if state is None:
         state = model.__dict__["_graphed_decoding_state"] = GraphedDecodingState()
@@ -443,28 +496,56 @@ def graphed_decoding_state(model) -> GraphedDecodingState:
 
 def graphed_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """``generate``'s decoding loop (its ``custom_generate``) for greedy and sampled decoding: transformers' own
-    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow."""
+    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow. With
+    ``return_dict_in_generate`` the output holds the ``sequences`` alone: the keys and values stay in the graph's
+    buffers, so its ``cache`` is None (transformers' is the cache it filled)."""
     if _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) is not None:
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        **model_kwargs)
     eos = next((criterion.eos_token_id for criterion in stopping_criteria if isinstance(criterion, EosTokenCriteria)),
                None)
-    eos = None if eos is None else tuple(torch.as_tensor(eos).reshape(-1).tolist())
     pad = generation_config._pad_token_tensor
     max_length = generation_config.max_length
     encoder_states = model_kwargs["encoder_outputs"][0]
+    suppression = None if generation_config.do_sample else _eos_suppression(logits_processor)
     key = _GraphKey(
         batch=input_ids.shape[0], encoder_length=encoder_length_bucket(encoder_states.shape[1]),
-        cache_length=cache_length_bucket(max_length - 1), greedy_in_graph=not generation_config.do_sample
-        and len(logits_processor) == 0, eos_token_ids=eos, pad_token_id=None if pad is None else int(pad),
+        cache_length=cache_length_bucket(max_length - 1),
+        greedy_in_graph=not generation_config.do_sample and (len(logits_processor) == 0 or suppression is not None),
+        suppresses_eos=suppression is not None, eos_token_ids=None if eos is None else _token_ids(eos),
+        pad_token_id=None if pad is None else int(pad),
     )
     graph = graphed_decoding_state(model).graph_for(model, key)
+    if suppression is not None:
+        graph.eos_allowed_from.fill_(suppression[0])
+        graph.suppressed_tokens.zero_()
+        graph.suppressed_tokens[list(suppression[1])] = True
     graph.start(encoder_states.to(graph.weights.lm_head.dtype), model_kwargs.get("attention_mask"), input_ids[:, 0])
     length = _run(graph, max_length, logits_processor, generation_config.do_sample)
     sequences = graph.sequences[:, :length].clone()
     if generation_config.return_dict_in_generate:
         return GenerateEncoderDecoderOutput(sequences=sequences)
     return sequences
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    return tuple(torch.as_tensor(ids).reshape(-1).tolist())
+
+
+def _eos_suppression(logits_processor) -> tuple[int, tuple[int, ...]] | None:
+    """(the first decoder position whose next token may be EOS, the EOS ids) when every processor is a minimum
+    length (min_length, min_new_tokens: what a greedy call with such options builds), else None. A processor at
+    position ``p`` sees ``p + 1`` tokens; it masks EOS while their count is below its minimum."""
+    if not logits_processor or any(type(processor) not in _MINIMUM_LENGTHS for processor in logits_processor):
+        return None
+    allowed_from, eos = 0, set()
+    for processor in logits_processor:
+        if isinstance(processor, MinLengthLogitsProcessor):
+            allowed_from = max(allowed_from, processor.min_length - 1)
+        else:
+            allowed_from = max(allowed_from, processor.min_new_tokens + processor.prompt_length_to_skip - 1)
+        eos.update(_token_ids(processor.eos_token_id))
+    return allowed_from, tuple(sorted(eos))
 
 
 def _run(graph: _DecodingGraph, max_length: int, logits_processor, do_sample: bool) -> int:
@@ -483,4 +564,13 @@ def _run(graph: _DecodingGraph, max_length: int, logits_processor, do_sample: bo
         looks = do_sample or length % HOST_CHECK_EVERY == 0
         if tracks_eos and looks and not graph.unfinished.any():
             break
-    return 1 + int(graph.steps_taken) if tracks_eos else max_length
+    return _finished_length(graph, max_length) if tracks_eos else max_length
+
+
+def _finished_length(graph: _DecodingGraph, max_length: int) -> int:
+    """Where transformers' loop stops: after the step at which the last row makes its first EOS (the tokens before
+    a row's first EOS are none, those after it padding), or at ``max_length`` while a row has none."""
+    generated = graph.sequences[:, 1:max_length]
+    is_eos = torch.isin(generated, graph.eos)
+    ended_at = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, max_length - 1)
+    return 1 + int(ended_at.max())

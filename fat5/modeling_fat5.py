@@ -34,7 +34,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import logging
 
 from .configuration_fat5 import FAT5Config
-from .graphed_decoding import graphed_decode, graphed_decoding_applies
+from .graphed_decoding import graphed_generate_arguments
 from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen, attention_with_probabilities
 from .kernels.cross_entropy import cross_entropy
@@ -1353,11 +1353,10 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
         """transformers' ``generate``. Greedy and sampled decoding with one beam run FAT5's graphed loop where
         ``config.graphed_decoding`` allows it and every option asked for is one that loop follows
-        (``graphed_decoding.graphed_decoding_applies``): a decoding step of few kernels replayed from CUDA graphs,
+        (``graphed_decoding.graphed_generate_arguments``): a decoding step of few kernels replayed from CUDA graphs,
         same ids. Beam search, and any other option, keep transformers' loop."""
-        if not args and graphed_decoding_applies(self, generation_config, kwargs):
-            kwargs["custom_generate"] = graphed_decode
-        return super().generate(inputs, generation_config, *args, **kwargs)
+        graphed_arguments = None if args else graphed_generate_arguments(self, generation_config, kwargs)
+        return super().generate(inputs, generation_config, *args, **(graphed_arguments or kwargs))
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return self._shift_right(labels)

@@ -4,6 +4,9 @@ weights (fp32, CPU: the step runs eagerly under ``graphed_decoding="always"``), 
 captured graph against the eager step.
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 from helpers import TINY, hf_and_fat5, padded_batch
@@ -84,11 +87,41 @@ def test_eos_early_pads_finished_rows(models):
     assert ended.any()
 
 
-def test_min_new_tokens_holds_eos_back(models):
-    eos = eos_met_early(models)
-    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=16, min_new_tokens=6, eos_token_id=eos)
+@pytest.mark.parametrize("minimum", [{"min_new_tokens": 1}, {"min_new_tokens": 4}, {"min_length": 6}],
+                         ids=lambda minimum: ",".join(f"{k}={v}" for k, v in minimum.items()))
+def test_minimum_lengths_hold_eos_back(gated_untied, minimum):
+    """EOS is a token that a row of T5's plain greedy decoding makes first just before, or at, the first position
+    the minimum allows: held back there, or ending the row exactly there; a minimum misplaced by one position
+    changes one or the other (the tiny tied model repeats its first token: it has no such rows)."""
+    first_allowed = minimum.get("min_new_tokens", minimum.get("min_length", 0) - 1) + 1
+    inputs = {"input_ids": torch.randint(2, TINY["vocab_size"], (8, 9), generator=torch.Generator().manual_seed(0))}
+    for position in (first_allowed - 1, first_allowed):
+        eos = _first_made_at(gated_untied[0], inputs, position)
+        expected, actual = generate_both(gated_untied, **inputs, max_new_tokens=16, eos_token_id=eos, **minimum)
+        assert torch.equal(actual, expected)
+        assert not (actual[:, 1:first_allowed] == eos).any()
+    assert (actual[:, first_allowed] == eos).any()
+
+
+def _first_made_at(model, inputs, position: int) -> int:
+    """A token that some row of the greedy decoding without EOS makes at ``position`` and not before."""
+    sequences = model.generate(**inputs, max_new_tokens=position, eos_token_id=None)
+    for row in sequences:
+        if not (row[1:position] == row[position]).any():
+            return int(row[position])
+    raise AssertionError(f"every row repeats an earlier token at position {position}: choose other inputs")
+
+
+def test_greedy_with_other_processors(gated_untied):
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=12, repetition_penalty=1.3,
+                                     no_repeat_ngram_size=2)
     assert torch.equal(actual, expected)
-    assert not (actual[:, 1:7] == eos).any()
+
+
+def test_static_cache_asked_for(gated_untied):
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=10,
+                                     cache_implementation="static")
+    assert torch.equal(actual, expected)
 
 
 def test_max_length(models):
@@ -104,6 +137,7 @@ def test_max_length(models):
         {"top_k": 5},
         {"top_p": 0.8, "temperature": 1.3},
         {"repetition_penalty": 1.5, "top_k": 20},
+        {"num_return_sequences": 2},
     ],
     ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()),
 )
@@ -202,6 +236,44 @@ def test_other_options_take_transformers_loop(gated_untied, options):
     assert _graph_uses(fat5) == uses
 
 
+def test_copies_start_empty_and_clear_frees():
+    hf, fat5 = hf_and_fat5("t5v1.1", seed=9)
+    expected, _ = generate_both((hf, _graphed(fat5)), **batch_inputs(), max_new_tokens=4)
+    copied = copy.deepcopy(fat5)
+    restored = pickle.loads(pickle.dumps(fat5))
+    for model in (copied, restored):
+        assert graphed_decoding_state(model).graphs == {}
+        assert torch.equal(model.generate(**batch_inputs(), max_new_tokens=4), expected)
+    state = graphed_decoding_state(fat5)
+    state.clear()
+    assert (state.weights, len(state.graphs)) == (None, 0)
+    assert torch.equal(fat5.generate(**batch_inputs(), max_new_tokens=4), expected)
+
+
+def test_lora_adapters_keep_transformers_loop():
+    """The step reads the projections' own weights: an adapter's share would be lost."""
+    from peft import LoraConfig, get_peft_model
+
+    _, fat5 = hf_and_fat5("t5v1.1")
+    expected = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    model = get_peft_model(_graphed(fat5), LoraConfig(task_type="SEQ_2_SEQ_LM", init_lora_weights=False))
+    adapted = model.generate(**batch_inputs(), max_new_tokens=5)
+    assert "_graphed_decoding_state" not in fat5.__dict__
+    with model.disable_adapter():
+        assert torch.equal(model.generate(**batch_inputs(), max_new_tokens=5), expected)
+    assert not torch.equal(adapted, expected)
+
+
+def test_forward_hooks_keep_transformers_loop():
+    _, fat5 = hf_and_fat5("t5v1.1")
+    expected = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    handle = _graphed(fat5).decoder.block[0].layer[2].register_forward_hook(lambda module, args, output: -output)
+    hooked = fat5.generate(**batch_inputs(), max_new_tokens=5)
+    handle.remove()
+    assert "_graphed_decoding_state" not in fat5.__dict__
+    assert not torch.equal(hooked, expected)
+
+
 def test_never_and_auto_on_cpu_keep_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
     for mode in ("never", "auto"):
@@ -258,14 +330,51 @@ def _property_models():
     return _PROPERTY_MODELS
 
 
+def _use_backend(model, backend: str):
+    """Every module's kernels on ``backend``: the modules keep the backend they were made with."""
+    for module in model.modules():
+        for name in ("backend", "activation_backend"):
+            if getattr(module, name, None) is not None:
+                setattr(module, name, backend)
+    return model
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_attention_matches_the_reference(causal):
+    """The decoding kernel with T5's bias rows made beforehand, the offset read from the device and keys and values
+    interleaved as in the cross-attention buffer, against the reference attention."""
+    from fat5.kernels.attention import attention
+    from fat5.kernels.attention_triton import decode_attention, t5_bias_rows
+    from fat5.kernels.position_bias import NO_POSITION_BIAS, PositionBias
+
+    torch.manual_seed(0)
+    batch, heads, head_dim, keys = 2, 2, 16, 40
+    bias = PositionBias.t5(torch.randn(8, heads), bidirectional=False, max_distance=16) if causal else NO_POSITION_BIAS
+    query = torch.randn(batch, heads, 1, head_dim)
+    storage = torch.randn(batch, keys, 2, heads, head_dim)
+    key, value = storage[:, :, 0].transpose(1, 2), storage[:, :, 1].transpose(1, 2)
+    mask = None if causal else torch.arange(keys)[None, :] < torch.tensor([[keys], [17]])
+    offset = torch.tensor([23])
+    actual = decode_attention(query, key, value, position_bias=bias, causal=causal, key_padding_mask=mask,
+                              t5_bias_rows=t5_bias_rows(bias) if causal else None, query_offset=offset)
+    expected = attention(query, key, value, position_bias=bias, causal=causal, key_padding_mask=mask,
+                         query_offset=23, backend="reference")
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_triton_step_gives_transformers_ids():
+    hf, fat5 = hf_and_fat5("t5v1.1")
+    inputs = {"input_ids": batch_inputs()["input_ids"][1:], "attention_mask": batch_inputs()["attention_mask"][1:]}
+    expected, actual = generate_both((hf, _use_backend(_graphed(fat5), "triton")), **inputs, max_new_tokens=4)
+    assert torch.equal(actual, expected)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_matches_eager_step_and_transformers_loop():
     _, fat5 = hf_and_fat5("t5v1.1")
-    fat5 = fat5.cuda()
-    for module in fat5.modules():  # the modules keep the backend they were made with: Triton on the GPU
-        for name in ("backend", "activation_backend"):
-            if getattr(module, name, None) == "reference":
-                setattr(module, name, "auto")
+    fat5 = _use_backend(fat5.cuda(), "auto")
     inputs = {name: tensor.cuda() for name, tensor in batch_inputs().items()}
     fat5.config.graphed_decoding = "never"  # the one graph below is the 40-token call's
     eos = int(fat5.generate(**inputs, max_new_tokens=8)[0, 2])
@@ -280,6 +389,14 @@ def test_cuda_graph_matches_eager_step_and_transformers_loop():
     # the same buffers, the step run eagerly instead of replayed
     graph._replay = graph._eager_step
     assert torch.equal(fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos), outputs["never"])
+    # EOS masked inside the graph; sampling from the graph's logits
+    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}):
+        outputs = {}
+        for mode in ("never", "always"):
+            fat5.config.graphed_decoding = mode
+            torch.manual_seed(0)
+            outputs[mode] = fat5.generate(**inputs, max_new_tokens=20, eos_token_id=eos, **options)
+        assert torch.equal(outputs["always"], outputs["never"]), options
     fat5.to(torch.bfloat16)
     bf16 = fat5.generate(**inputs, max_new_tokens=40)
     assert bf16.shape[0] == 3

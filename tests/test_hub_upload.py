@@ -132,6 +132,9 @@ with torch.no_grad():
         "modules": [type(seq2seq).__module__, type(base).__module__],
         "fat5_loaded": sorted(m for m in sys.modules if m.split(".")[0] == "fat5"),
     }
+    seq2seq.config.graphed_decoding = "always"  # the graphed loop's step, run eagerly on the CPU
+    results["graphed"] = seq2seq.generate(**prompt, do_sample=False)
+    results["graphed_uses"] = seq2seq.__dict__["_graphed_decoding_state"].graph_uses
 torch.save(results, out_file)
 """
 
@@ -157,6 +160,8 @@ def test_bundle_loads_without_fat5(bundled, tmp_path):
         )
         assert torch.equal(remote["greedy"], local.generate(**prompt, do_sample=False))
         assert torch.equal(remote["beam"], local.generate(**prompt, do_sample=False, num_beams=2))
+    assert torch.equal(remote["graphed"], remote["greedy"])
+    assert remote["graphed_uses"] == 1
 
 
 CHECK_IMPORTS_WITHOUT_TRITON = r"""

@@ -399,7 +399,9 @@ def test_compiled_static_cache_generation_on_gpu():
     that transformers compiles into CUDA graphs, giving the ids of the eager dynamic cache (fp32, so that the
     compiler's fusions cannot flip a near tie; benchmarks/model.py compares bf16 ids at the base shape)."""
     torch.manual_seed(0)
-    config = FAT5Config(**dict(TINY, d_kv=64, num_heads=2, d_model=64), attention_backend="triton")
+    # transformers' loop: FAT5's own graphed loop (test_graphed_decoding.py) would take both calls
+    config = FAT5Config(**dict(TINY, d_kv=64, num_heads=2, d_model=64), attention_backend="triton",
+                        graphed_decoding="never")
     model = FAT5ForConditionalGeneration(config).cuda().eval()
     input_ids, attention_mask, _ = padded_batch()
     input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
