@@ -1,6 +1,7 @@
-"""Where a greedy decoding step's time goes: FAT5 against transformers' T5, both with the static cache that
-``generate`` compiles (CUDA graphs), T5 v1.1-base shape, bf16, random weights shared by both, ``--input-length``
-input tokens, ``--new-tokens`` generated (EOS suppressed, so every row makes them all).
+"""Where a greedy decoding step's time goes: FAT5's ``generate`` (on a GPU its graphed decoding path), FAT5's
+modules under transformers' loop (``graphed_decoding="never"``) and transformers' T5, the last two with the static
+cache that ``generate`` compiles (CUDA graphs); T5 v1.1-base shape, bf16, random weights shared by all,
+``--input-length`` input tokens, ``--new-tokens`` generated (EOS suppressed, so every row makes them all).
 
 Per implementation and batch: tokens/s and wall milliseconds a step (the third call, after two that compile and
 warm up), the first call's seconds (compilation), then one profiled call of ``--profiled-tokens`` steps: the
@@ -76,77 +77,17 @@ def profile_generate(model, ids, device: str, **options) -> dict:
     }
 
 
-def graphed_greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy decoding of FAT5 by replaying one captured step (a CUDA graph on a GPU, the same calls eagerly on a
-    CPU), no ``generate`` around it: how fast a step goes without the host's work between steps. An experiment for
-    the decoding issue, not a path of the library: no EOS handling, no logits processors."""
-    from transformers import EncoderDecoderCache, StaticCache
-
-    batch, config = ids.shape[0], model.config
-    encoder_outputs = model.get_encoder()(input_ids=ids)
-    cache = EncoderDecoderCache(StaticCache(config=config, max_cache_len=new_tokens + 1),
-                                StaticCache(config=config, max_cache_len=ids.shape[1]))
-    token = torch.full((batch, 1), config.decoder_start_token_id, dtype=torch.long, device=ids.device)
-
-    def step() -> None:
-        logits = model(encoder_outputs=encoder_outputs, decoder_input_ids=token, cache=cache, use_cache=True).logits
-        token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-
-    generated = torch.empty(batch, new_tokens, dtype=torch.long, device=ids.device)
-    step()  # position 0: the cross-attention keys and values are computed and kept
-    generated[:, 0] = token[:, 0]
-    first_token = token.clone()
-    # warm-up steps (kernels built, the allocator primed) write positions 1 and 2; the cache is then set back to 1
-    side = torch.cuda.Stream() if ids.is_cuda else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side) if side is not None else torch.no_grad():
-        step()
-        step()
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
-    for layer in cache.self_attention_cache.layers:
-        layer.cumulative_length.fill_(1)
-    token.copy_(first_token)
-    replay = step
-    if ids.is_cuda:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        replay = graph.replay
-    for position in range(1, new_tokens):
-        replay()
-        generated[:, position] = token[:, 0]
-    return generated
-
-
-def measure_graphed(model, batch: int, args, device: str) -> dict:
-    """FAT5's step replayed by ``graphed_greedy``: tokens/s, and whether its ids are FAT5's ``generate`` ids."""
-    ids = torch.randint(2, model.config.vocab_size - 1, (batch, args.input_length), device=device)
-    with torch.no_grad():
-        for _ in range(2):
-            graphed_greedy(model, ids, args.new_tokens)
-        synchronize(device)
-        started = time.perf_counter()
-        generated = graphed_greedy(model, ids, args.new_tokens)
-        synchronize(device)
-        wall = time.perf_counter() - started
-        reference = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                   do_sample=False)[:, 1:]
-    row = {"implementation": "fat5-graphed-loop", "batch": batch, "input_length": args.input_length,
-           "new_tokens": args.new_tokens, "tokens_per_second": round(batch * args.new_tokens / wall, 1),
-           "ms_per_step": round(1e3 * wall / args.new_tokens, 3),
-           "ids_equal_to_generate_fraction": round(float((generated == reference).float().mean()), 4)}
-    print(row, flush=True)
-    return row
-
-
 def measure(models: dict, batch: int, args, device: str) -> list[dict]:
     ids = torch.randint(2, models["fat5"].config.vocab_size - 1, (batch, args.input_length), device=device)
     options = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
                "cache_implementation": "static"}
     rows, sequences = [], {}
-    for name, model in models.items():
+    fat5 = models["fat5"]
+    # FAT5 as `generate` runs it (the graphed decoding path), and its modules under transformers' loop and cache
+    runs = [("fat5", fat5, "auto"), ("fat5-modules", fat5, "never"), ("transformers", models["transformers"], None)]
+    for name, model, graphed_decoding in runs:
+        if graphed_decoding is not None:
+            fat5.config.graphed_decoding = graphed_decoding
         _, first = timed_generate(model, ids, device, **options)
         timed_generate(model, ids, device, **options)
         sequences[name], wall = timed_generate(model, ids, device, **options)
@@ -188,9 +129,6 @@ def main(argv=None) -> None:
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--profiled-tokens", type=int, default=32, help="steps of the profiled call")
-    parser.add_argument("--graphed-loop", action="store_true",
-                        help="also FAT5 replaying one captured step per token, without generate (an experiment)")
-    parser.add_argument("--graphed-loop-only", action="store_true", help="only that experiment")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU: checks the path, no figures")
     parser.add_argument("--out", default="benchmarks/results/generation_profile.json")
     args = parse_or_plot(parser, plot, argv)
@@ -204,10 +142,7 @@ def main(argv=None) -> None:
     models = build_models(TINY if args.tiny else BASE, device, torch.float32 if args.tiny else torch.bfloat16)
     rows = []
     for batch in args.batches:
-        if args.graphed_loop or args.graphed_loop_only:
-            rows.append(measure_graphed(models["fat5"], batch, args, device))
-        if not args.graphed_loop_only:
-            rows.extend(measure(models, batch, args, device))
+        rows.extend(measure(models, batch, args, device))
     document = write_result(args.out, rows, shape="tiny" if args.tiny else "base",
                             settings={key: value for key, value in vars(args).items() if key != "plot_only"})
     draw_beside(plot, document, args.out)
