@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DATA, FINETUNE_QUIET, REPO, ROWS, seq2seq_config
+from helpers import DATA, FINETUNE_QUIET, REPO, ROWS, TINY, seq2seq_config
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EvalPrediction
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -415,6 +415,30 @@ def test_regional_compilation_with_an_accelerate_that_lacks_it_is_refused_by_nam
     monkeypatch.setattr(accelerate.utils, "TorchDynamoPlugin", PluginWithoutTheSwitch)
     with pytest.raises(ValueError, match=r"torch_compile_regional needs accelerate >= 1\.7"):
         FAT5TrainingArguments(output_dir=str(tmp_path), torch_compile_regional=True, report_to="none")
+
+
+def test_training_steps_do_not_read_the_loss_back_unless_asked(tmp_path, monkeypatch):
+    """transformers' ``logging_nan_inf_filter`` tests every step's loss for NaN on the host (a GPU synchronisation
+    per step): FAT5's arguments leave it off unless a config asks, and then the Trainer does test each step."""
+    from transformers import Seq2SeqTrainer
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+    from fat5.trainer.trainer import FAT5TrainingArguments
+
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY))
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(2, TINY["vocab_size"], (6,), generator=generator),
+             "labels": torch.randint(2, TINY["vocab_size"], (3,), generator=generator)} for _ in range(6)]
+    tested = []
+    original_isnan = torch.isnan
+    monkeypatch.setattr(torch, "isnan", lambda tensor: tested.append(tensor.dim()) or original_isnan(tensor))
+    for asked, expected_tests in ((None, 0), (True, 3)):
+        tested.clear()
+        extra = {} if asked is None else {"logging_nan_inf_filter": asked}
+        arguments = FAT5TrainingArguments(output_dir=str(tmp_path / str(asked)), max_steps=3, report_to="none",
+                                          per_device_train_batch_size=2, logging_steps=10, use_cpu=True, **extra)
+        Seq2SeqTrainer(model=model, args=arguments, train_dataset=rows).train()
+        assert tested.count(0) == expected_tests, (asked, tested)
 
 
 def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
