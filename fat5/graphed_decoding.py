@@ -1,4 +1,4 @@
-"""FAT5's greedy and sampled decoding through a decoding step of few kernels, replayed from CUDA graphs.
+"""FAT5's greedy, sampled and beam search decoding through a decoding step of few kernels, replayed from CUDA graphs.
 
 ``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_generate_arguments` allows:
 transformers prepares the call as for its own loop (generation config, the encoder's outputs, logits processors,
@@ -22,9 +22,15 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
   logits. Finished rows are tracked on the device (tokens after EOS are ``pad_token_id``, as in transformers) and
   the host looks at them every ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly
   the random numbers that transformers' loop draws.
+- beam search and beam sampling (:class:`_BeamSearch`): the graph's rows are the inputs times ``num_beams``, as
+  transformers expands them; its step only gives the logits, and the beams are kept as in transformers'
+  ``_beam_search``, through the helper methods of ``GenerationMixin`` that it calls (top-k continuations, running
+  and finished beams, length penalty, early stopping). Between two steps the self-attention cache is reordered
+  eagerly by the beams chosen (:meth:`_DecodingGraph.reorder_cache`): the captured step is the one greedy decoding
+  replays. The host looks at every step, as transformers does.
 
-Anything this loop does not follow (beam search, scores, attentions, custom stopping criteria, a decoder prefix...)
-keeps transformers' loop, unchanged.
+Anything this loop does not follow (scores other than beam search's, logits, attentions, custom stopping criteria, a
+decoder prefix...) keeps transformers' loop, unchanged.
 """
 
 from collections import OrderedDict
@@ -60,6 +66,8 @@ _GRAPHED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, Generatio
                   GenerationMode.BEAM_SAMPLE)
 _MINIMUM_LENGTHS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# beam search's processed scores come off the host's side of its loop, as transformers' do
+_BEAM_OUTPUT_OPTIONS = ("output_scores",)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,7 +78,7 @@ def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict |
     """The arguments with which ``model.generate(generation_config=generation_config, **kwargs)`` runs
     :func:`graphed_decode` as its loop, or None where transformers' loop serves: ``config.graphed_decoding``
     forbids the graphed loop here, the model is training or has weights the step cannot read (an adapter, FIRE), or
-    the call asks for something other than greedy or sampled decoding (one beam) with options the loop follows. A
+    the call asks for something other than greedy, sampled or beam search decoding with options the loop follows. A
     cache implementation asked for is dropped: the loop has static buffers of its own, and transformers would
     allocate the cache before it for nothing."""
     mode = model.config.graphed_decoding
@@ -85,7 +93,9 @@ def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict |
     config, _ = model._prepare_generation_config(generation_config, **kwargs)
     if config.get_generation_mode() not in _GRAPHED_MODES or config.low_memory:
         return None
-    if any(getattr(config, name, False) for name in _OUTPUT_OPTIONS) or config.stop_strings or config.max_time:
+    followed = _BEAM_OUTPUT_OPTIONS if config.num_beams > 1 else ()
+    outputs = [name for name in _OUTPUT_OPTIONS if name not in followed]
+    if any(getattr(config, name, False) for name in outputs) or config.stop_strings or config.max_time:
         return None
     arguments = {**kwargs, "custom_generate": graphed_decode}
     if config.cache_implementation is not None:
@@ -506,8 +516,8 @@ def graphed_decode(model, input_ids, logits_processor, stopping_criteria, genera
     """``generate``'s decoding loop (its ``custom_generate``) for greedy, sampled and beam search decoding:
     transformers' own ``_sample`` or ``_beam_search`` where :func:`_loop_unsupported_reason` finds something this loop
     does not follow. With ``return_dict_in_generate`` the output holds the ``sequences`` alone (and beam search's
-    ``beam_indices``): the keys and values stay in the graph's buffers, so its ``cache`` is None (transformers' is
-    the cache it filled)."""
+    ``beam_indices``, with its scores under ``output_scores``): the keys and values stay in the graph's buffers, so
+    its ``cache`` is None (transformers' is the cache it filled)."""
     beam_search = generation_config.num_beams > 1
     if _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) is not None:
         loop = GenerationMixin._beam_search if beam_search else GenerationMixin._sample
@@ -626,6 +636,7 @@ class _BeamSearch:
         self.num_beams = generation_config.num_beams
         self.batch_size = input_ids.shape[0] // self.num_beams
         self.length = self.prompt_length = input_ids.shape[1]
+        self.scores = () if generation_config.return_dict_in_generate and generation_config.output_scores else None
         pad_token_id, eos_token_id = generation_config._pad_token_tensor, generation_config._eos_token_tensor
         eos_count = eos_token_id.shape[0] if eos_token_id is not None else 0
         self.beams_to_keep = max(2, 1 + eos_count) * self.num_beams
@@ -653,6 +664,8 @@ class _BeamSearch:
         model, shape = self.model, (self.batch_size, self.num_beams)
         log_probs = nn.functional.log_softmax(logits.to(torch.float32, copy=True), dim=-1)
         log_probs = logits_processor(model._flatten_beam_dim(self.running_sequences[:, :, :self.length]), log_probs)
+        if self.scores is not None:
+            self.scores += (log_probs.clone(),)
         log_probs = model._unflatten_beam_dim(log_probs, *shape) + self.running_beam_scores[:, :, None]
         log_probs = log_probs.reshape(self.batch_size, -1)
         # vocab_size: transformers 5.17's signature asks for it, later ones take it from the scores' width
@@ -663,7 +676,7 @@ class _BeamSearch:
             beams_to_keep=self.beams_to_keep, num_beams=self.num_beams, vocab_size=logits.shape[-1],
             batch_size=self.batch_size,
         )
-        hits_stop = stopping_criteria(model._flatten_beam_dim(topk_sequences[:, :, :self.length + 1]), None)
+        hits_stop = stopping_criteria(model._flatten_beam_dim(topk_sequences[:, :, :self.length + 1]), self.scores)
         hits_stop = model._unflatten_beam_dim(hits_stop, self.batch_size, self.beams_to_keep)
         self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
             model._get_running_beams_for_next_iteration(topk_log_probs, topk_sequences, topk_beam_indices,
@@ -700,8 +713,10 @@ class _BeamSearch:
         sequences = sequences[:, :self.prompt_length + generated_length]
         if not self.config.return_dict_in_generate:
             return sequences
-        # sequences_scores: transformers returns them with output_scores alone, which keeps its loop
-        return GenerateBeamEncoderDecoderOutput(sequences=sequences, beam_indices=beam_indices[:, :generated_length])
+        # transformers returns the finished beams' scores with output_scores alone
+        sequences_scores = None if self.scores is None else model._flatten_beam_dim(self.beam_scores[:, :returned])
+        return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores,
+                                                scores=self.scores, beam_indices=beam_indices[:, :generated_length])
 
 
 def _run_beam_search(graph: _DecodingGraph, beams: _BeamSearch, logits_processor, stopping_criteria) -> None:

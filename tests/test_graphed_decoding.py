@@ -222,14 +222,22 @@ def test_beam_sampling_draws_transformers_ids(gated_untied):
     assert torch.equal(torch.rand(4), _rand_after(gated_untied[0], seed=13, **batch_inputs(), **options))
 
 
-def test_beam_search_return_dict_in_generate(gated_untied):
-    expected, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=8, num_beams=2,
-                                     num_return_sequences=2, eos_token_id=eos_met_early(gated_untied),
-                                     return_dict_in_generate=True)
+@pytest.mark.parametrize("output_scores", [False, True])
+def test_beam_search_return_dict_in_generate(models, output_scores):
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=8, num_beams=2, num_return_sequences=2,
+                                     eos_token_id=eos_met_early(models), length_penalty=0.8,
+                                     return_dict_in_generate=True, output_scores=output_scores)
     assert type(actual) is type(expected) is GenerateBeamEncoderDecoderOutput
     assert torch.equal(actual.sequences, expected.sequences)
     assert torch.equal(actual.beam_indices, expected.beam_indices)
-    assert actual.sequences_scores is expected.sequences_scores is None
+    if not output_scores:
+        assert actual.sequences_scores is expected.sequences_scores is actual.scores is None
+        return
+    # the same ids from the same weights: the scores differ by the two forwards' rounding alone
+    torch.testing.assert_close(actual.sequences_scores, expected.sequences_scores)
+    assert len(actual.scores) == len(expected.scores)
+    for actual_step, expected_step in zip(actual.scores, expected.scores, strict=True):
+        torch.testing.assert_close(actual_step, expected_step)
 
 
 def test_encoder_outputs_and_inputs_embeds(gated_untied):
@@ -292,10 +300,10 @@ def test_changed_weights_are_derived_again():
     assert state.weight_builds == builds + 1
 
 
-@pytest.mark.parametrize("options", [{"num_beams": 3, "output_scores": True, "return_dict_in_generate": True},
+@pytest.mark.parametrize("options", [{"num_beams": 3, "output_logits": True, "return_dict_in_generate": True},
                                      {"output_scores": True, "return_dict_in_generate": True},
                                      {"decoder_input_ids": torch.tensor([[0, 5]] * 3)}],
-                         ids=["beam_scores", "scores", "decoder_prefix"])
+                         ids=["beam_logits", "scores", "decoder_prefix"])
 def test_other_options_take_transformers_loop(gated_untied, options):
     hf, fat5 = gated_untied
     uses = _graph_uses(fat5)
@@ -364,11 +372,13 @@ def test_position_encodings_without_a_transformers_twin(position_encoding):
     config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                         position_encoding=position_encoding, attention_backend="reference", attention_scale=None)
     model = FAT5ForConditionalGeneration(config).eval()
-    outputs = {}
-    for mode in ("never", "always"):
-        model.config.graphed_decoding = mode
-        outputs[mode] = model.generate(**batch_inputs(), max_new_tokens=12)
-    assert torch.equal(outputs["always"], outputs["never"])
+    for options in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+        outputs = {}
+        for mode in ("never", "always"):
+            model.config.graphed_decoding = mode
+            outputs[mode] = model.generate(**batch_inputs(), max_new_tokens=12, **options)
+        assert torch.equal(outputs["always"], outputs["never"]), options
+    assert graphed_decoding_state(model).graph_uses == 2
 
 
 def test_buckets():
@@ -459,8 +469,9 @@ def test_cuda_graph_matches_eager_step_and_transformers_loop():
     # the same buffers, the step run eagerly instead of replayed
     graph._replay = graph._eager_step
     assert torch.equal(fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos), outputs["never"])
-    # EOS masked inside the graph; sampling from the graph's logits
-    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}):
+    # EOS masked inside the graph; sampling from the graph's logits; beams reordering the buffers between replays
+    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}, {"num_beams": 3, "length_penalty": 0.7},
+                    {"num_beams": 2, "do_sample": True, "top_k": 10, "num_return_sequences": 2}):
         outputs = {}
         for mode in ("never", "always"):
             fat5.config.graphed_decoding = mode
