@@ -66,7 +66,7 @@ _GRAPHED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, Generatio
                   GenerationMode.BEAM_SAMPLE)
 _MINIMUM_LENGTHS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-# beam search's processed scores come off the host's side of its loop, as transformers' do
+# beam search runs transformers' processors on the host at every step, as its loop does: their scores cost a copy
 _BEAM_OUTPUT_OPTIONS = ("output_scores",)
 
 
@@ -530,7 +530,7 @@ def graphed_decode(model, input_ids, logits_processor, stopping_criteria, genera
     max_length = generation_config.max_length
     suppression = None if generation_config.do_sample else _eos_suppression(logits_processor)
     key = _GraphKey(
-        batch=input_ids.shape[0], encoder_length=_encoder_length_of(model_kwargs),
+        batch=input_ids.shape[0], encoder_length=_encoder_length_bucket_of(model_kwargs),
         cache_length=cache_length_bucket(max_length - 1),
         greedy_in_graph=not generation_config.do_sample and (len(logits_processor) == 0 or suppression is not None),
         suppresses_eos=suppression is not None, eos_token_ids=None if eos is None else _token_ids(eos),
@@ -549,7 +549,7 @@ def graphed_decode(model, input_ids, logits_processor, stopping_criteria, genera
     return sequences
 
 
-def _encoder_length_of(model_kwargs) -> int:
+def _encoder_length_bucket_of(model_kwargs) -> int:
     return encoder_length_bucket(model_kwargs["encoder_outputs"][0].shape[1])
 
 
@@ -563,7 +563,7 @@ def _beam_decode(model, input_ids, logits_processor, stopping_criteria, generati
     times, its encoder output and attention mask with it. The graph picks no token and tracks no EOS: its step
     gives the logits, and :class:`_BeamSearch` does the rest."""
     key = _GraphKey(
-        batch=input_ids.shape[0], encoder_length=_encoder_length_of(model_kwargs),
+        batch=input_ids.shape[0], encoder_length=_encoder_length_bucket_of(model_kwargs),
         cache_length=cache_length_bucket(generation_config.max_length - 1), greedy_in_graph=False,
         suppresses_eos=False, eos_token_ids=None, pad_token_id=None,
     )
