@@ -80,14 +80,15 @@ class FAT5Config(PretrainedConfig):
         fire_mlp_width (`int`, defaults to 32): hidden width of FIRE's MLP.
         fire_init_c (`float`, defaults to 0.1): initial value of FIRE's learnable log-transform scale `c`.
         fire_init_threshold (`float`, defaults to 512.0): initial value of FIRE's learnable length threshold `L`.
-        graphed_decoding (`str`, defaults to `"auto"`): how `FAT5ForConditionalGeneration.generate` decodes greedily
-            or by sampling with one beam. `"auto"`: on a GPU, through FAT5's own loop (`graphed_decoding.py`): a
+        graphed_decoding (`str`, defaults to `"auto"`): how `FAT5ForConditionalGeneration.generate` decodes greedily,
+            by sampling or by beam search. `"auto"`: on a GPU, through FAT5's own loop (`graphed_decoding.py`): a
             decoding step of few kernels replayed from CUDA graphs, the same ids as transformers' loop, for the
             options that loop follows (max_new_tokens / max_length, min_new_tokens / min_length, eos / pad /
-            decoder_start ids, do_sample, temperature, top_k, top_p, repetition_penalty and the other logits
-            processors that the generation config builds, return_dict_in_generate with `sequences`), transformers'
-            loop for anything else (beam search, scores, attentions, hidden states, custom logits processors or
-            stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU too (the same step,
+            decoder_start ids, do_sample, num_beams, length_penalty, early_stopping, num_return_sequences,
+            temperature, top_k, top_p, repetition_penalty and the other logits processors that the generation config
+            builds, return_dict_in_generate with `sequences`, and for beam search `beam_indices` and output_scores),
+            transformers' loop for anything else (scores without beams, logits, attentions, hidden states, custom
+            logits processors or stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU too (the same step,
             run eagerly). `"never"`: transformers' loop.
         initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
             checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's

@@ -1,4 +1,4 @@
-"""FAT5's greedy and sampled decoding through a decoding step of few kernels, replayed from CUDA graphs.
+"""FAT5's greedy, sampled and beam search decoding through a decoding step of few kernels, replayed from CUDA graphs.
 
 ``FAT5ForConditionalGeneration.generate`` hands its decoding loop here when :func:`graphed_generate_arguments` allows:
 transformers prepares the call as for its own loop (generation config, the encoder's outputs, logits processors,
@@ -22,9 +22,15 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
   logits. Finished rows are tracked on the device (tokens after EOS are ``pad_token_id``, as in transformers) and
   the host looks at them every ``HOST_CHECK_EVERY`` steps; sampling looks at every step, so that it draws exactly
   the random numbers that transformers' loop draws.
+- beam search and beam sampling (:class:`_BeamSearch`): the graph's rows are the inputs times ``num_beams``, as
+  transformers expands them; its step only gives the logits, and the beams are kept as in transformers'
+  ``_beam_search``, through the helper methods of ``GenerationMixin`` that it calls (top-k continuations, running
+  and finished beams, length penalty, early stopping). Between two steps the self-attention cache is reordered
+  eagerly by the beams chosen (:meth:`_DecodingGraph.reorder_cache`): the captured step is the one greedy decoding
+  replays. The host looks at every step, as transformers does.
 
-Anything this loop does not follow (beam search, scores, attentions, custom stopping criteria, a decoder prefix...)
-keeps transformers' loop, unchanged.
+Anything this loop does not follow (scores other than beam search's, logits, attentions, custom stopping criteria, a
+decoder prefix...) keeps transformers' loop, unchanged.
 """
 
 from collections import OrderedDict
@@ -34,7 +40,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
-from transformers.generation import GenerateEncoderDecoderOutput
+from transformers.generation import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -56,8 +62,12 @@ _LOOP_ARGUMENTS = (
     "negative_prompt_attention_mask", "synced_gpus", "tokenizer", "assistant_tokenizer", "cache", "past_key_values",
     "decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask",
 )
+_GRAPHED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                  GenerationMode.BEAM_SAMPLE)
 _MINIMUM_LENGTHS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 _OUTPUT_OPTIONS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# beam search runs transformers' processors on the host at every step, as its loop does: their scores cost a copy
+_BEAM_OUTPUT_OPTIONS = ("output_scores",)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -68,7 +78,7 @@ def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict |
     """The arguments with which ``model.generate(generation_config=generation_config, **kwargs)`` runs
     :func:`graphed_decode` as its loop, or None where transformers' loop serves: ``config.graphed_decoding``
     forbids the graphed loop here, the model is training or has weights the step cannot read (an adapter, FIRE), or
-    the call asks for something other than greedy or sampled decoding (one beam) with options the loop follows. A
+    the call asks for something other than greedy, sampled or beam search decoding with options the loop follows. A
     cache implementation asked for is dropped: the loop has static buffers of its own, and transformers would
     allocate the cache before it for nothing."""
     mode = model.config.graphed_decoding
@@ -81,9 +91,11 @@ def graphed_generate_arguments(model, generation_config, kwargs: dict) -> dict |
     if kwargs.get("logits_processor") or kwargs.get("stopping_criteria"):
         return None
     config, _ = model._prepare_generation_config(generation_config, **kwargs)
-    if config.get_generation_mode() not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+    if config.get_generation_mode() not in _GRAPHED_MODES or config.low_memory:
         return None
-    if any(getattr(config, name, False) for name in _OUTPUT_OPTIONS) or config.stop_strings or config.max_time:
+    followed = _BEAM_OUTPUT_OPTIONS if config.num_beams > 1 else ()
+    outputs = [name for name in _OUTPUT_OPTIONS if name not in followed]
+    if any(getattr(config, name, False) for name in outputs) or config.stop_strings or config.max_time:
         return None
     arguments = {**kwargs, "custom_generate": graphed_decode}
     if config.cache_implementation is not None:
@@ -416,6 +428,12 @@ class _DecodingGraph:
         self.token.copy_(next_tokens)
         self.positions.add_(1)
 
+    def reorder_cache(self, rows: torch.Tensor, length: int) -> None:
+        """Give row ``i`` the self-attention keys and values of row ``rows[i]`` in the first ``length`` positions: beam
+        search's choice of beams, made eagerly between two steps so that the captured step stays the greedy one."""
+        filled = self.self_cache[:, :, :, :, :length]
+        filled.copy_(filled.index_select(2, rows))
+
     def replay(self) -> None:
         """One decoding step: the captured graph on a GPU (captured at the first call), the calls eagerly elsewhere."""
         if self._replay is None:
@@ -495,21 +513,24 @@ def graphed_decoding_state(model) -> GraphedDecodingState:
 
 
 def graphed_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-    """``generate``'s decoding loop (its ``custom_generate``) for greedy and sampled decoding: transformers' own
-    ``_sample`` where :func:`_loop_unsupported_reason` finds something this loop does not follow. With
-    ``return_dict_in_generate`` the output holds the ``sequences`` alone: the keys and values stay in the graph's
-    buffers, so its ``cache`` is None (transformers' is the cache it filled)."""
+    """``generate``'s decoding loop (its ``custom_generate``) for greedy, sampled and beam search decoding:
+    transformers' own ``_sample`` or ``_beam_search`` where :func:`_loop_unsupported_reason` finds something this loop
+    does not follow. With ``return_dict_in_generate`` the output holds the ``sequences`` alone (and beam search's
+    ``beam_indices``, with its scores under ``output_scores``): the keys and values stay in the graph's buffers, so
+    its ``cache`` is None (transformers' is the cache it filled)."""
+    beam_search = generation_config.num_beams > 1
     if _loop_unsupported_reason(input_ids, stopping_criteria, model_kwargs) is not None:
-        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       **model_kwargs)
+        loop = GenerationMixin._beam_search if beam_search else GenerationMixin._sample
+        return loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    if beam_search:
+        return _beam_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
     eos = next((criterion.eos_token_id for criterion in stopping_criteria if isinstance(criterion, EosTokenCriteria)),
                None)
     pad = generation_config._pad_token_tensor
     max_length = generation_config.max_length
-    encoder_states = model_kwargs["encoder_outputs"][0]
     suppression = None if generation_config.do_sample else _eos_suppression(logits_processor)
     key = _GraphKey(
-        batch=input_ids.shape[0], encoder_length=encoder_length_bucket(encoder_states.shape[1]),
+        batch=input_ids.shape[0], encoder_length=_encoder_length_bucket_of(model_kwargs),
         cache_length=cache_length_bucket(max_length - 1),
         greedy_in_graph=not generation_config.do_sample and (len(logits_processor) == 0 or suppression is not None),
         suppresses_eos=suppression is not None, eos_token_ids=None if eos is None else _token_ids(eos),
@@ -520,12 +541,37 @@ def graphed_decode(model, input_ids, logits_processor, stopping_criteria, genera
         graph.eos_allowed_from.fill_(suppression[0])
         graph.suppressed_tokens.zero_()
         graph.suppressed_tokens[list(suppression[1])] = True
-    graph.start(encoder_states.to(graph.weights.lm_head.dtype), model_kwargs.get("attention_mask"), input_ids[:, 0])
+    _start(graph, input_ids, model_kwargs)
     length = _run(graph, max_length, logits_processor, generation_config.do_sample)
     sequences = graph.sequences[:, :length].clone()
     if generation_config.return_dict_in_generate:
         return GenerateEncoderDecoderOutput(sequences=sequences)
     return sequences
+
+
+def _encoder_length_bucket_of(model_kwargs) -> int:
+    return encoder_length_bucket(model_kwargs["encoder_outputs"][0].shape[1])
+
+
+def _start(graph: _DecodingGraph, input_ids, model_kwargs) -> None:
+    encoder_states = model_kwargs["encoder_outputs"][0].to(graph.weights.lm_head.dtype)
+    graph.start(encoder_states, model_kwargs.get("attention_mask"), input_ids[:, 0])
+
+
+def _beam_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """Beam search (or beam sampling) over the rows that transformers made: each input repeated ``num_beams``
+    times, its encoder output and attention mask with it. The graph picks no token and tracks no EOS: its step
+    gives the logits, and :class:`_BeamSearch` does the rest."""
+    key = _GraphKey(
+        batch=input_ids.shape[0], encoder_length=_encoder_length_bucket_of(model_kwargs),
+        cache_length=cache_length_bucket(generation_config.max_length - 1), greedy_in_graph=False,
+        suppresses_eos=False, eos_token_ids=None, pad_token_id=None,
+    )
+    graph = graphed_decoding_state(model).graph_for(model, key)
+    _start(graph, input_ids, model_kwargs)
+    beams = _BeamSearch(model, input_ids, generation_config)
+    _run_beam_search(graph, beams, logits_processor, stopping_criteria)
+    return beams.output()
 
 
 def _token_ids(ids) -> tuple[int, ...]:
@@ -574,3 +620,112 @@ def _finished_length(graph: _DecodingGraph, max_length: int) -> int:
     is_eos = torch.isin(generated, graph.eos)
     ended_at = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, max_length - 1)
     return 1 + int(ended_at.max())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Beam search
+
+
+class _BeamSearch:
+    """transformers' ``_beam_search`` bookkeeping over the graph's logits, through the helper methods of
+    ``GenerationMixin`` that it calls, in its order: the running and finished beams of each input, their scores and
+    the beam each of their tokens came from. The rows of the graph are the inputs times ``num_beams``."""
+
+    def __init__(self, model, input_ids: torch.Tensor, generation_config):
+        self.model, self.config = model, generation_config
+        self.num_beams = generation_config.num_beams
+        self.batch_size = input_ids.shape[0] // self.num_beams
+        self.length = self.prompt_length = input_ids.shape[1]
+        self.scores = () if generation_config.return_dict_in_generate and generation_config.output_scores else None
+        pad_token_id, eos_token_id = generation_config._pad_token_tensor, generation_config._eos_token_tensor
+        eos_count = eos_token_id.shape[0] if eos_token_id is not None else 0
+        self.beams_to_keep = max(2, 1 + eos_count) * self.num_beams
+        device, shape = input_ids.device, (self.batch_size, self.num_beams)
+        self.top_num_beam_mask = torch.arange(self.beams_to_keep, device=device) < self.num_beams
+        # transformers' expression, precedence included: a pad id of 0 fills with the first EOS
+        fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+        self.running_sequences = torch.full((*shape, generation_config.max_length), fill_value, dtype=torch.int64,
+                                            device=device)
+        self.running_sequences[:, :, :self.length] = model._unflatten_beam_dim(input_ids, *shape)
+        self.sequences = self.running_sequences.clone()
+        # only the first beam's continuations count at the first step: the beams start alike
+        self.running_beam_scores = torch.zeros(shape, dtype=torch.float, device=device)
+        self.running_beam_scores[:, 1:] = -1e9
+        self.beam_scores = torch.full(shape, -1e9, dtype=torch.float, device=device)
+        self.is_sent_finished = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.improvement_possible = torch.ones((self.batch_size, 1), dtype=torch.bool, device=device)
+        self.running_beam_indices = torch.full((*shape, generation_config.max_length - self.length), -1,
+                                               dtype=torch.int32, device=device)
+        self.beam_indices = self.running_beam_indices.clone()
+
+    def advance(self, logits: torch.Tensor, logits_processor, stopping_criteria) -> tuple[torch.Tensor, bool]:
+        """Extend the beams by the step's (rows, vocab) logits: returns the row each running beam continues (whose
+        cache it takes) and whether the search goes on."""
+        model, shape = self.model, (self.batch_size, self.num_beams)
+        log_probs = nn.functional.log_softmax(logits.to(torch.float32, copy=True), dim=-1)
+        log_probs = logits_processor(model._flatten_beam_dim(self.running_sequences[:, :, :self.length]), log_probs)
+        if self.scores is not None:
+            self.scores += (log_probs.clone(),)
+        log_probs = model._unflatten_beam_dim(log_probs, *shape) + self.running_beam_scores[:, :, None]
+        log_probs = log_probs.reshape(self.batch_size, -1)
+        # vocab_size: transformers 5.17's signature asks for it, later ones take it from the scores' width
+        topk_log_probs, topk_sequences, topk_beam_indices = model._get_top_k_continuations(
+            accumulated_log_probs=log_probs, running_sequences=self.running_sequences,
+            running_beam_indices=self.running_beam_indices, cur_len=self.length,
+            decoder_prompt_len=self.prompt_length, do_sample=self.config.do_sample,
+            beams_to_keep=self.beams_to_keep, num_beams=self.num_beams, vocab_size=logits.shape[-1],
+            batch_size=self.batch_size,
+        )
+        hits_stop = stopping_criteria(model._flatten_beam_dim(topk_sequences[:, :, :self.length + 1]), self.scores)
+        hits_stop = model._unflatten_beam_dim(hits_stop, self.batch_size, self.beams_to_keep)
+        self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
+            model._get_running_beams_for_next_iteration(topk_log_probs, topk_sequences, topk_beam_indices,
+                                                        hits_stop, self.num_beams)
+        )
+        self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = model._update_finished_beams(
+            self.sequences, topk_sequences, self.beam_scores, topk_log_probs, self.beam_indices, topk_beam_indices,
+            self.improvement_possible, self.is_sent_finished, hits_stop, self.top_num_beam_mask, self.num_beams,
+            self.length, self.prompt_length, self.config.length_penalty, self.config.early_stopping,
+        )
+        rows = model._flatten_beam_dim(self.running_beam_indices[..., self.length - self.prompt_length])
+        self.length += 1
+        return rows, self._goes_on(hits_stop)
+
+    def _goes_on(self, hits_stop: torch.Tensor) -> bool:
+        early_stopping, model = self.config.early_stopping, self.model
+        self.improvement_possible = model._check_early_stop_heuristic(
+            self.improvement_possible, self.running_beam_scores, self.beam_scores, self.is_sent_finished,
+            self.length, self.config.max_length, self.prompt_length, early_stopping, self.config.length_penalty,
+        )
+        return bool(model._beam_search_has_unfinished_sequences(self.improvement_possible, self.is_sent_finished,
+                                                                 hits_stop, early_stopping))
+
+    def next_tokens(self) -> torch.Tensor:
+        """The (rows,) last tokens of the running beams: the next step's input."""
+        return self.model._flatten_beam_dim(self.running_sequences[:, :, self.length - 1])
+
+    def output(self):
+        """transformers' output: the best ``num_return_sequences`` finished beams of each input, cut to the longest."""
+        model, returned = self.model, self.config.num_return_sequences
+        sequences = model._flatten_beam_dim(self.sequences[:, :returned])
+        beam_indices = model._flatten_beam_dim(self.beam_indices[:, :returned])
+        generated_length = (beam_indices + 1).bool().sum(dim=1).max()
+        sequences = sequences[:, :self.prompt_length + generated_length]
+        if not self.config.return_dict_in_generate:
+            return sequences
+        # transformers returns the finished beams' scores with output_scores alone
+        sequences_scores = None if self.scores is None else model._flatten_beam_dim(self.beam_scores[:, :returned])
+        return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores,
+                                                scores=self.scores, beam_indices=beam_indices[:, :generated_length])
+
+
+def _run_beam_search(graph: _DecodingGraph, beams: _BeamSearch, logits_processor, stopping_criteria) -> None:
+    """Step the graph until transformers' beam search would stop (max_length's criterion stops it at the latest),
+    the self-attention cache reordered by the chosen beams after each step."""
+    for _ in range(1, beams.config.max_length):
+        graph.replay()
+        rows, goes_on = beams.advance(graph.logits, logits_processor, stopping_criteria)
+        if not goes_on:
+            return
+        graph.reorder_cache(rows, beams.length - 1)
+        graph.advance(beams.next_tokens())

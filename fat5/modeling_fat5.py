@@ -1351,10 +1351,10 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
         )
 
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
-        """transformers' ``generate``. Greedy and sampled decoding with one beam run FAT5's graphed loop where
+        """transformers' ``generate``. Greedy, sampled and beam search decoding run FAT5's graphed loop where
         ``config.graphed_decoding`` allows it and every option asked for is one that loop follows
         (``graphed_decoding.graphed_generate_arguments``): a decoding step of few kernels replayed from CUDA graphs,
-        same ids. Beam search, and any other option, keep transformers' loop."""
+        same ids. Any other option keeps transformers' loop."""
         graphed_arguments = None if args else graphed_generate_arguments(self, generation_config, kwargs)
         return super().generate(inputs, generation_config, *args, **(graphed_arguments or kwargs))
 

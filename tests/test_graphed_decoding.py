@@ -12,7 +12,7 @@ import torch
 from helpers import TINY, hf_and_fat5, padded_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers.generation import GenerateEncoderDecoderOutput
+from transformers.generation import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
 
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.graphed_decoding import cache_length_bucket, encoder_length_bucket, graphed_decoding_state
@@ -176,6 +176,70 @@ def test_return_dict_in_generate(gated_untied):
     assert torch.equal(actual.sequences, expected.sequences)
 
 
+_BEAM_SETTINGS = [
+    {"num_beams": 2},
+    {"num_beams": 4},
+    {"num_beams": 4, "length_penalty": 0.5, "early_stopping": True, "num_return_sequences": 2},
+    {"num_beams": 3, "length_penalty": 2.0, "early_stopping": False},
+    {"num_beams": 3, "length_penalty": -1.0, "early_stopping": "never", "num_return_sequences": 3},
+]
+
+
+@pytest.mark.parametrize("settings_", _BEAM_SETTINGS, ids=lambda options: ",".join(f"{k}={v}" for k, v in
+                                                                                   options.items()))
+def test_beam_search_gives_transformers_ids(models, settings_):
+    """Rows of different input lengths, EOS met early by some beams (they finish while others run on)."""
+    eos = eos_met_early(models)
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=12, eos_token_id=eos, **settings_)
+    assert torch.equal(actual, expected)
+
+
+def test_beam_search_reaches_eos_and_max_length(gated_untied):
+    """The case meant by the test above: a returned beam ended by EOS before max_length; and max_length alone."""
+    eos = eos_met_early(gated_untied)
+    _, actual = generate_both(gated_untied, **batch_inputs(), max_new_tokens=12, eos_token_id=eos, num_beams=4)
+    assert (actual[:, 1:] == eos).any(dim=1).any()
+    expected, actual = generate_both(gated_untied, **batch_inputs(), max_length=7, num_beams=3, eos_token_id=None)
+    assert torch.equal(actual, expected)
+    assert actual.shape == (3, 7)
+
+
+def test_beam_search_minimum_length_holds_eos_back(gated_untied):
+    """EOS is the token that the first row's best beam makes second: min_new_tokens holds it back to the fourth."""
+    inputs, options = batch_inputs(), {"num_beams": 3, "max_new_tokens": 10}
+    eos = int(gated_untied[0].generate(**inputs, **options, eos_token_id=None)[0, 2])
+    expected, actual = generate_both(gated_untied, **inputs, **options, eos_token_id=eos, min_new_tokens=4)
+    assert torch.equal(actual, expected)
+    assert not (actual[:, 1:4] == eos).any()
+    assert (gated_untied[0].generate(**inputs, **options, eos_token_id=eos)[:, 1:4] == eos).any()
+
+
+def test_beam_sampling_draws_transformers_ids(gated_untied):
+    options = {"num_beams": 3, "do_sample": True, "top_k": 20, "temperature": 1.2, "max_new_tokens": 10,
+               "eos_token_id": eos_met_early(gated_untied)}
+    expected, actual = generate_both(gated_untied, seed=13, **batch_inputs(), **options)
+    assert torch.equal(actual, expected)
+    assert torch.equal(torch.rand(4), _rand_after(gated_untied[0], seed=13, **batch_inputs(), **options))
+
+
+@pytest.mark.parametrize("output_scores", [False, True])
+def test_beam_search_return_dict_in_generate(models, output_scores):
+    expected, actual = generate_both(models, **batch_inputs(), max_new_tokens=8, num_beams=2, num_return_sequences=2,
+                                     eos_token_id=eos_met_early(models), length_penalty=0.8,
+                                     return_dict_in_generate=True, output_scores=output_scores)
+    assert type(actual) is type(expected) is GenerateBeamEncoderDecoderOutput
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert torch.equal(actual.beam_indices, expected.beam_indices)
+    if not output_scores:
+        assert actual.sequences_scores is expected.sequences_scores is actual.scores is None
+        return
+    # the same ids from the same weights: the scores differ by the two forwards' rounding alone
+    torch.testing.assert_close(actual.sequences_scores, expected.sequences_scores)
+    assert len(actual.scores) == len(expected.scores)
+    for actual_step, expected_step in zip(actual.scores, expected.scores, strict=True):
+        torch.testing.assert_close(actual_step, expected_step)
+
+
 def test_encoder_outputs_and_inputs_embeds(gated_untied):
     hf, fat5 = gated_untied
     inputs = batch_inputs()
@@ -205,6 +269,19 @@ def test_lengths_of_one_bucket_reuse_the_buffers():
     assert state.graph_builds == builds[1] + 1
 
 
+def test_beam_search_calls_of_one_bucket_reuse_the_buffers():
+    hf, fat5 = hf_and_fat5("t5v1.1", seed=7)
+    _graphed(fat5)
+    state = graphed_decoding_state(fat5)
+    inputs = batch_inputs()
+    generate_both((hf, fat5), **inputs, max_new_tokens=10, num_beams=2)
+    builds = (state.weight_builds, state.graph_builds)
+    shorter = {"input_ids": inputs["input_ids"][:, :8], "attention_mask": inputs["attention_mask"][:, :8]}
+    expected, actual = generate_both((hf, fat5), **shorter, max_new_tokens=12, num_beams=2, length_penalty=0.7)
+    assert torch.equal(actual, expected)
+    assert (state.weight_builds, state.graph_builds) == builds
+
+
 def test_changed_weights_are_derived_again():
     hf, fat5 = hf_and_fat5("t5v1.1", seed=8)
     _graphed(fat5)
@@ -223,9 +300,10 @@ def test_changed_weights_are_derived_again():
     assert state.weight_builds == builds + 1
 
 
-@pytest.mark.parametrize("options", [{"num_beams": 3}, {"output_scores": True, "return_dict_in_generate": True},
+@pytest.mark.parametrize("options", [{"num_beams": 3, "output_logits": True, "return_dict_in_generate": True},
+                                     {"output_scores": True, "return_dict_in_generate": True},
                                      {"decoder_input_ids": torch.tensor([[0, 5]] * 3)}],
-                         ids=["beams", "scores", "decoder_prefix"])
+                         ids=["beam_logits", "scores", "decoder_prefix"])
 def test_other_options_take_transformers_loop(gated_untied, options):
     hf, fat5 = gated_untied
     uses = _graph_uses(fat5)
@@ -294,11 +372,13 @@ def test_position_encodings_without_a_transformers_twin(position_encoding):
     config = FAT5Config(**TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                         position_encoding=position_encoding, attention_backend="reference", attention_scale=None)
     model = FAT5ForConditionalGeneration(config).eval()
-    outputs = {}
-    for mode in ("never", "always"):
-        model.config.graphed_decoding = mode
-        outputs[mode] = model.generate(**batch_inputs(), max_new_tokens=12)
-    assert torch.equal(outputs["always"], outputs["never"])
+    for options in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+        outputs = {}
+        for mode in ("never", "always"):
+            model.config.graphed_decoding = mode
+            outputs[mode] = model.generate(**batch_inputs(), max_new_tokens=12, **options)
+        assert torch.equal(outputs["always"], outputs["never"]), options
+    assert graphed_decoding_state(model).graph_uses == 2
 
 
 def test_buckets():
@@ -389,8 +469,9 @@ def test_cuda_graph_matches_eager_step_and_transformers_loop():
     # the same buffers, the step run eagerly instead of replayed
     graph._replay = graph._eager_step
     assert torch.equal(fat5.generate(**inputs, max_new_tokens=40, eos_token_id=eos), outputs["never"])
-    # EOS masked inside the graph; sampling from the graph's logits
-    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}):
+    # EOS masked inside the graph; sampling from the graph's logits; beams reordering the buffers between replays
+    for options in ({"min_new_tokens": 10}, {"do_sample": True, "top_k": 10}, {"num_beams": 3, "length_penalty": 0.7},
+                    {"num_beams": 2, "do_sample": True, "top_k": 10, "num_return_sequences": 2}):
         outputs = {}
         for mode in ("never", "always"):
             fat5.config.graphed_decoding = mode
