@@ -51,6 +51,7 @@ from .kernels.dispatch import use_triton
 from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
 from .kernels.rms_norm import rms_norm
 from .kernels.rotary import apply_rotary
+from .modeling_fat5 import clamp_fp16
 
 MAX_KEPT_GRAPHS = 4
 HOST_CHECK_EVERY = 16
@@ -249,18 +250,6 @@ def _t5_bias_rows(backend: str, position_biases: list[PositionBias]) -> list[tor
 # The step
 
 
-def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
-    # transformers' T5 clamps after each sub-layer in fp16, and FAT5's blocks do the same
-    if hidden_states.dtype != torch.float16:
-        return hidden_states
-    clamp_value = torch.where(
-        torch.isinf(hidden_states).any(),
-        torch.finfo(hidden_states.dtype).max - 1000,
-        torch.finfo(hidden_states.dtype).max,
-    )
-    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
-
-
 def _norm(config, weights, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, weight, config.layer_norm_epsilon, backend=weights.norm_backend)
 
@@ -324,9 +313,9 @@ def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -
     """The (batch, vocab) logits of the tokens in ``buffers.token`` at decoder position ``buffers.position``."""
     hidden_states = nn.functional.embedding(buffers.token, weights.embedding)
     for layer in range(len(weights.query_key_value)):
-        hidden_states = _clamp_fp16(_self_attention(config, weights, buffers, layer, hidden_states))
-        hidden_states = _clamp_fp16(_cross_attention(config, weights, buffers, layer, hidden_states))
-        hidden_states = _clamp_fp16(_feed_forward(config, weights, layer, hidden_states))
+        hidden_states = clamp_fp16(_self_attention(config, weights, buffers, layer, hidden_states))
+        hidden_states = clamp_fp16(_cross_attention(config, weights, buffers, layer, hidden_states))
+        hidden_states = clamp_fp16(_feed_forward(config, weights, layer, hidden_states))
     return nn.functional.linear(_norm(config, weights, hidden_states, weights.final_norm), weights.lm_head)
 
 

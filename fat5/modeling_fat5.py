@@ -34,7 +34,6 @@ from transformers.modeling_outputs import (
 from transformers.utils import logging
 
 from .configuration_fat5 import FAT5Config
-from .graphed_decoding import graphed_generate_arguments
 from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen, attention_with_probabilities
 from .kernels.cross_entropy import cross_entropy
@@ -79,7 +78,7 @@ def _given_cache(cache, past_key_values, owner):
     return cache
 
 
-def _clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
+def clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
     # T5 overflows in fp16; transformers clamps after each sub-layer and so do we, for identical outputs
     if hidden_states.dtype != torch.float16:
         return hidden_states
@@ -550,14 +549,14 @@ class FAT5Block(GradientCheckpointingLayer):
         hidden_states, position_parameters, self_probabilities = self.layer[0](
             hidden_states, layout, position_parameters, past_key_values, output_attentions
         )
-        hidden_states = _clamp_fp16(hidden_states)
+        hidden_states = clamp_fp16(hidden_states)
         cross_probabilities = None
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states, cross_probabilities = self.layer[1](
                 hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, output_attentions
             )
-            hidden_states = _clamp_fp16(hidden_states)
-        hidden_states = _clamp_fp16(self.layer[-1](hidden_states))
+            hidden_states = clamp_fp16(hidden_states)
+        hidden_states = clamp_fp16(self.layer[-1](hidden_states))
         return hidden_states, self_probabilities, cross_probabilities, *position_parameters
 
 
@@ -1355,6 +1354,9 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
         ``config.graphed_decoding`` allows it and every option asked for is one that loop follows
         (``graphed_decoding.graphed_generate_arguments``): a decoding step of few kernels replayed from CUDA graphs,
         same ids. Any other option keeps transformers' loop."""
+        # imported here: graphed_decoding.py reads this module's classes
+        from .graphed_decoding import graphed_generate_arguments
+
         graphed_arguments = None if args else graphed_generate_arguments(self, generation_config, kwargs)
         return super().generate(inputs, generation_config, *args, **(graphed_arguments or kwargs))
 
