@@ -9,7 +9,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-from helpers import ROWS  # after the choice above: helpers imports fat5, which imports triton
+from helpers import ROWS, run_quick_start  # after the choice above: helpers imports fat5, which imports triton
+
+
+@pytest.fixture(scope="session")
+def quick_start_run(tmp_path_factory):
+    """The README's quick-start job (the built-in default pretraining), run once for the tests of the job and of the
+    README: a folder laid out as the repository root where it ran, and that run. Its tests only read the model."""
+    folder = tmp_path_factory.mktemp("reader")
+    return folder, run_quick_start(folder)
 
 
 @pytest.fixture(scope="module")

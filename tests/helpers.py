@@ -29,6 +29,8 @@ __all__ = [
     "FAMILIES",
     "FINETUNE_QUIET",
     "PREFIX",
+    "QUICK_START_JOB",
+    "READER_ENVIRONMENT",
     "REPO",
     "ROWS",
     "SMALL_PRETRAIN",
@@ -41,7 +43,9 @@ __all__ = [
     "padded_batch",
     "padded_seq2seq_batch",
     "relative_error",
+    "run_as_a_reader",
     "run_isolated",
+    "run_quick_start",
     "seq2seq_config",
     "transformers_class",
     "word_tokenizer",
@@ -280,3 +284,28 @@ def run_isolated(script: str, *args, tmp: Path) -> subprocess.CompletedProcess:
         timeout=600,
         check=False,
     )
+
+
+# the README's quick-start job; tests/test_readme.py runs the README's commands as a reader does, in this environment
+QUICK_START_JOB = "fat5 pretrain --output-dir outputs/fat5-tiny"
+# the `fat5` console script of the Python running the tests comes first on the PATH, activated or not
+READER_ENVIRONMENT = {**os.environ,
+                      "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+# what the README's commands may take, tiny models on a CPU shared with other work
+READER_TIMEOUT = 1800
+
+
+def run_as_a_reader(command, cwd: Path, **options) -> subprocess.CompletedProcess:
+    # stdin closed: a command that prompts (transformers' "run the custom code? [y/N]") fails instead of waiting
+    return subprocess.run(command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=READER_TIMEOUT, check=False, env=READER_ENVIRONMENT, **options)
+
+
+def run_quick_start(folder: Path) -> subprocess.CompletedProcess:
+    """The quick start's job in ``folder``, laid out as the repository root (its sources linked in, so that the
+    README's relative paths resolve): the model lands in ``folder / "outputs/fat5-tiny"``."""
+    for name in ("fat5", "tests", "examples", "benchmarks", "pyproject.toml"):
+        (folder / name).symlink_to(REPO / name)
+    completed = run_as_a_reader(QUICK_START_JOB.split(), folder)
+    assert completed.returncode == 0, f"{QUICK_START_JOB} failed:\n{completed.stdout[-3000:]}{completed.stderr[-3000:]}"
+    return completed

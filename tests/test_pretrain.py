@@ -14,15 +14,11 @@ from fat5.trainer.pretrain import load_config, pretrain
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The README's main job, run once: `fat5 pretrain --output-dir DIR` with the built-in default."""
-    output = tmp_path_factory.mktemp("pretrain-default")
-    completed = subprocess.run(
-        [sys.executable, "-m", "fat5.cli", "pretrain", "--output-dir", str(output)],
-        capture_output=True, text=True, timeout=1500, check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return output, completed
+def default_run(quick_start_run):
+    """The README's main job, run once for this module and the README's test: `fat5 pretrain --output-dir DIR` with
+    the built-in default."""
+    folder, completed = quick_start_run
+    return folder / "outputs" / "fat5-tiny", completed
 
 
 def test_default_job_learns_and_saves_a_loadable_model(default_run):

@@ -1,31 +1,27 @@
 """README.md as a new user runs it: every ```python block and every ```bash line, in order, in a fresh folder.
 
 The quick start's `fat5 pretrain --output-dir outputs/fat5-tiny` (the built-in CPU default job) runs once, in the
-module's fixture; the blocks after it use what it wrote, as the README's reader does. A block the test cannot run
+session's fixture (tests/test_pretrain.py checks the same run); the blocks after it use what it wrote, as the README's reader does. A block the test cannot run
 here carries a marker comment on the line before its fence, ``<!-- readme-test: skip: REASON -->``, and a few
 commands are not run for the reasons in ``NOT_RUN`` (the environment they set up is the one running the test).
 """
 
 import ast
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import QUICK_START_JOB, READER_ENVIRONMENT, REPO, run_as_a_reader
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-QUICK_START_JOB = "fat5 pretrain --output-dir outputs/fat5-tiny"
 # commands of the README's bash blocks that the test does not run, and why
 NOT_RUN = {
     "pip install": "installs the environment this test already runs in (and needs the network)",
     "python -m pytest": "runs the test suite, which is what is running this test",
 }
 _BLOCK = re.compile(r"(?:<!-- readme-test: skip: (?P<skip>[^>]*?) -->\n)?```(?P<language>\w+)\n(?P<code>.*?)```", re.DOTALL)
-# what the README's commands may take, tiny models on a CPU shared with other work
-TIMEOUT = 1800
 
 
 def readme_blocks() -> list[tuple[str, str, str | None, int]]:
@@ -43,26 +39,10 @@ def bash_commands(code: str) -> list[str]:
     return [part.strip() for line in lines if line.strip() for part in line.split("&&")]
 
 
-# the `fat5` console script of the Python running the tests comes first on the PATH, activated or not
-ENVIRONMENT = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-
-
-def _run(command, cwd: Path, **options) -> subprocess.CompletedProcess:
-    # stdin closed: a command that prompts (transformers' "run the custom code? [y/N]") fails instead of waiting
-    return subprocess.run(command, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=TIMEOUT, check=False, env=ENVIRONMENT, **options)
-
-
 @pytest.fixture(scope="module")
-def reader_folder(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A folder laid out as the repository root (its sources linked in, so relative paths of the README resolve)
-    where the quick start's pretraining job has run, and that run."""
-    folder = tmp_path_factory.mktemp("reader")
-    for name in ("fat5", "tests", "examples", "benchmarks", "pyproject.toml"):
-        (folder / name).symlink_to(REPO / name)
-    completed = _run(QUICK_START_JOB.split(), folder)
-    assert completed.returncode == 0, f"{QUICK_START_JOB} failed:\n{completed.stdout[-3000:]}{completed.stderr[-3000:]}"
-    return folder, completed
+def reader_folder(quick_start_run) -> tuple[Path, subprocess.CompletedProcess]:
+    """A folder laid out as the repository root where the quick start's pretraining job has run, and that run."""
+    return quick_start_run
 
 
 def test_the_readme_runs_as_written(reader_folder):
@@ -75,7 +55,7 @@ def test_the_readme_runs_as_written(reader_folder):
             skipped.append(f"README.md:{line} ({skip})")
             continue
         if language == "python":
-            completed = _run([sys.executable, "-c", code], folder)
+            completed = run_as_a_reader([sys.executable, "-c", code], folder)
             assert completed.returncode == 0 and "Traceback" not in completed.stderr, (
                 f"README.md:{line}: the python block fails:\n{completed.stderr[-3000:]}"
             )
@@ -89,7 +69,7 @@ def test_the_readme_runs_as_written(reader_folder):
                 if reason:
                     skipped.append(f"README.md:{line} {command} ({reason})")
                     continue
-                completed = _run(command, folder, shell=True)
+                completed = run_as_a_reader(command, folder, shell=True)
                 assert completed.returncode == 0 and "Traceback" not in completed.stderr, (
                     f"README.md:{line}: `{command}` fails:\n{completed.stdout[-2000:]}{completed.stderr[-3000:]}"
                 )
@@ -168,7 +148,7 @@ def test_the_bundles_model_card_runs_as_written_without_a_prompt(tiny_model, tmp
         "assert 'fat5' not in sys.modules\n"
     )
     # a folder with nothing but the bundle beside the program: fat5 cannot be imported there
-    environment = {key: value for key, value in ENVIRONMENT.items() if key != "PYTHONPATH"}
+    environment = {key: value for key, value in READER_ENVIRONMENT.items() if key != "PYTHONPATH"}
     for program in (code, plain_tokenizer):
         completed = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, stdin=subprocess.DEVNULL,
                                    capture_output=True, text=True, timeout=600, check=False, env=environment)
