@@ -417,6 +417,7 @@ def training_arguments(args, output_dir: str, seed: int, **extra):
         # the recorder reads the losses at the end: a log every step would wait for the GPU every step
         logging_steps=args.steps, save_strategy="no", eval_strategy="no", report_to="none",
         remove_unused_columns=False, dataloader_num_workers=args.workers if on_gpu else 0,
+        dataloader_persistent_workers=on_gpu and args.workers > 0,
         dataloader_pin_memory=on_gpu, accelerator_config={"non_blocking": on_gpu}, disable_tqdm=True, **extra,
     )
 

@@ -274,6 +274,46 @@ def test_tokens_per_second_leave_out_evaluation_time(tiny_model, tokenizer, exam
     assert after_evaluation[0]["tokens_per_second"] * SlowEvaluation.seconds > window_tokens
 
 
+def test_packed_batches_honour_the_dataloader_arguments(tiny_model, tokenizer, tmp_path):
+    """FAT5's loader for a batch sampler takes transformers' dataloader arguments, and workers kept across epochs
+    still give each epoch's own batches (the sampler plans them in the main process)."""
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
+    from fat5.trainer.ul2 import UL2Objective
+
+    sequences = [tokenizer(row["document"])["input_ids"] for row in ROWS[:24]]
+    vocabulary = len(tokenizer)
+    objective = UL2Objective(sentinel_ids=np.arange(vocabulary - 1, vocabulary - 17, -1), prefix_ids={"[R]": 3, "[S]": 4, "[X]": 5},
+                             eos_id=tokenizer.eos_token_id, max_input_length=64, max_target_length=64)
+    collator = UL2DataCollator(objective=objective, packed=True, pad_token_id=tokenizer.pad_token_id)
+
+    def sampler(epoch=0):
+        planner = UL2PackedBatchSampler([len(s) for s in sequences], collator.objective, rows_per_batch=2, seed=5)
+        planner.set_epoch(epoch)
+        return planner
+
+    arguments = FAT5TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                      dataloader_num_workers=1, dataloader_persistent_workers=True,
+                                      dataloader_prefetch_factor=3)
+    trainer = FAT5Trainer(model=load(tiny_model), args=arguments, train_dataset=sequences, data_collator=collator,
+                          train_batch_sampler=sampler())
+    loader = trainer.get_train_dataloader()
+    assert loader.persistent_workers and loader.prefetch_factor == 3
+    epochs = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        expected = list(DataLoader(PlannedDataset(sequences), batch_sampler=sampler(epoch), collate_fn=collator))
+        batches = list(loader)
+        assert len(batches) == len(expected) > 1
+        for batch, reference in zip(batches, expected):
+            assert all(np.array_equal(batch[key].numpy(), reference[key].numpy()) for key in reference)
+        epochs.append(torch.cat([batch["input_ids"].flatten() for batch in batches]))
+    assert not torch.equal(*epochs), "the two epochs gave the same batches: the workers missed the new epoch"
+
+
 # ----------------------------------------------------------------------------------------------- 6. other models
 
 

@@ -485,16 +485,21 @@ class FAT5Trainer(Seq2SeqTrainer):
     def _batch_loader(self, dataset, batch_sampler) -> DataLoader:
         from .packing import PlannedDataset
 
-        options = {
-            "collate_fn": self.data_collator,
-            "num_workers": self.args.dataloader_num_workers,
-            "pin_memory": self.args.dataloader_pin_memory and torch.cuda.is_available(),
-        }
+        workers = {"num_workers": self.args.dataloader_num_workers}
+        if self.args.dataloader_num_workers > 0:
+            # the batch sampler plans each epoch in this process, so workers kept across epochs still see every
+            # epoch's batches; restarting them each epoch stalled the pretraining step (benchmarks/README.md)
+            workers["persistent_workers"] = self.args.dataloader_persistent_workers
+            if self.args.dataloader_prefetch_factor is not None:
+                workers["prefetch_factor"] = self.args.dataloader_prefetch_factor
         if batch_sampler is not None:
-            loader = DataLoader(PlannedDataset(dataset), batch_sampler=batch_sampler, **options)
+            loader = DataLoader(
+                PlannedDataset(dataset), batch_sampler=batch_sampler, collate_fn=self.data_collator,
+                pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(), **workers,
+            )
         else:
             # an IterableDataset of ready batches
-            loader = DataLoader(dataset, batch_size=None, num_workers=self.args.dataloader_num_workers)
+            loader = DataLoader(dataset, batch_size=None, **workers)
         return self.accelerator.prepare(loader)
 
     def get_train_dataloader(self) -> DataLoader:
