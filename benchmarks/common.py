@@ -132,6 +132,33 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def curve_differences(candidate: list[float], reference: list[float], smoothing: int) -> dict:
+    """Relative differences |candidate - reference| / reference per step, and of the moving averages over
+    ``smoothing`` steps, over the steps before either curve first turns NaN or infinite (``steps_compared``)."""
+    import numpy as np
+
+    candidate, reference = np.array(candidate, dtype=np.float64), np.array(reference, dtype=np.float64)
+    length = min(len(candidate), len(reference))
+    finite = np.isfinite(candidate[:length]) & np.isfinite(reference[:length])
+    length = int(np.argmin(finite)) if not finite.all() else length
+    if length < smoothing:
+        raise ValueError(f"only {length} finite steps to compare: fewer than the smoothing window ({smoothing})")
+    candidate, reference = candidate[:length], reference[:length]
+    per_step = np.abs(candidate - reference) / reference
+    window = np.ones(smoothing) / smoothing
+    smooth_candidate = np.convolve(candidate, window, mode="valid")
+    smooth_reference = np.convolve(reference, window, mode="valid")
+    smoothed = np.abs(smooth_candidate - smooth_reference) / smooth_reference
+    return {
+        "steps_compared": length,
+        "step_1": float(f"{per_step[0]:.3g}"),
+        "mean": float(f"{per_step.mean():.3g}"),
+        "max": float(f"{per_step.max():.3g}"),
+        "smoothed_mean": float(f"{smoothed.mean():.3g}"),
+        "smoothed_max": float(f"{smoothed.max():.3g}"),
+    }
+
+
 def t5_carrying_weights_of(fat5, **config_fields):
     """transformers' ``T5ForConditionalGeneration`` of ``config_fields`` holding a copy of ``fat5``'s weights (the
     names are T5's on both sides), its output layer untied as T5 v1.1's; checked parameter by parameter."""

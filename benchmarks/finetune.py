@@ -39,7 +39,7 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, markdown_table, write_result
+from common import curve_differences, environment, markdown_table, write_result
 
 from fat5.conversion import convert
 from fat5.trainer.data import shakespeare_texts
@@ -167,23 +167,6 @@ def loss_agreement(models: dict, vocab_size: int, source_length: int, target_len
     if relative > tolerance:
         raise SystemExit(f"FAT5 and transformers disagree on a random batch (seed {seed}): losses {losses}")
     return {"losses": losses, "relative_difference": relative, "tolerance": tolerance, "seed": seed}
-
-
-def curve_differences(candidate: list[float], reference: list[float], smoothing: int) -> dict:
-    """Relative differences |candidate - reference| / reference per step, and of the moving averages."""
-    candidate, reference = np.array(candidate), np.array(reference)
-    per_step = np.abs(candidate - reference) / reference
-    window = np.ones(smoothing) / smoothing
-    smooth_candidate = np.convolve(candidate, window, mode="valid")
-    smooth_reference = np.convolve(reference, window, mode="valid")
-    smoothed = np.abs(smooth_candidate - smooth_reference) / smooth_reference
-    return {
-        "step_1": float(f"{per_step[0]:.3g}"),
-        "mean": float(f"{per_step.mean():.3g}"),
-        "max": float(f"{per_step.max():.3g}"),
-        "smoothed_mean": float(f"{smoothed.mean():.3g}"),
-        "smoothed_max": float(f"{smoothed.max():.3g}"),
-    }
 
 
 def train(name: str, trainer, warmup_steps: int, tokens_per_step: int) -> dict:

@@ -15,8 +15,11 @@ steps, in one process, on one device:
 
 Both models start from the same weights: FAT5 draws them (``FAT5Config(initialization=...)``, one run per value of
 ``--initialization``, each with each of ``--seeds``) and transformers' T5 gets a copy. The z-loss is off and the
-dropout is 0, so both losses are the plain cross-entropy and their curves can be compared step by step (two seeds
-of one path give the noise).
+dropout is 0, so both losses are the plain cross-entropy and their curves can be compared step by step:
+``loss_agreement`` holds the relative differences of FAT5's curve from transformers' (same initialisation and seed),
+per step and of their moving averages over ``--smoothing`` steps, beside the same differences between two seeds of
+one path over the same steps (those before either curve turns NaN); ``within_seed_noise`` when FAT5's mean and
+largest smoothed differences are no larger than the seeds'.
 
 Measured, per run, over the steps after ``--warmup-steps`` (less any window holding the first step of a new batch
 shape, which compiles): real tokens per second (encoder tokens and labelled decoder positions, padding excluded),
@@ -43,12 +46,14 @@ steps beside it.
     python benchmarks/pretrain.py --tiny      # the whole path on a CPU in a minute or two (no MFU)
     python benchmarks/pretrain.py --shape base --runs fat5 --profile 5   # the last 5 steps taken apart
     python benchmarks/pretrain.py --padding-plan   # no training: padding by number of buckets, on the CPU
+    python benchmarks/pretrain.py --merge a.json b.json --out pretrain_base.json   # runs of several calls as one
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
@@ -61,8 +66,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
+    curve_differences,
     draw_beside,
-    environment,
     kernel_ms_by_kind,
     markdown_table,
     parse_or_plot,
@@ -650,6 +655,10 @@ def main(argv=None) -> None:
                         help="check the whole path on a CPU: --shape tiny --device cpu, 6 steps on 120 scenes "
                              "(or --max-documents)")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
+    parser.add_argument("--smoothing", type=int, default=10,
+                        help="steps of the moving average under which loss curves are compared")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no training: the runs of these result files (one shape) as one result, compared")
     args = parse_or_plot(parser, plot, argv)
     if args is None:
         return
@@ -658,6 +667,11 @@ def main(argv=None) -> None:
         args.max_documents = args.max_documents or 120
         args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.merge:
+        if not args.out or args.out in args.merge:
+            parser.error("--merge writes a new file: give an --out that is not one of the merged files")
+        merge_files(args.merge, args.out, args.smoothing)
+        return
     if args.padding_plan:
         args.out = args.out or "benchmarks/results/pretrain_padding.json"
         padding_plan(args)
@@ -731,14 +745,70 @@ def main(argv=None) -> None:
                 release()
     results = {"runs": runs, "batch_shapes": [list(shape) for shape in sampler.buckets.shapes()],
                "vocab_size": vocab_size, "tokens_per_batch": tokens_per_batch}
-    speeds = {(r["path"], r["initialization"], r["seed"]): r.get("tokens_per_second") for r in runs}
-    ratios = [speeds[("fat5", i, s)] / speeds[("transformers", i, s)] for i in args.initialization for s in args.seeds
-              if speeds.get(("fat5", i, s)) and speeds.get(("transformers", i, s))]
+    document = write_result(args.out, {**results, **comparisons(runs, args.smoothing)}, shape=args.shape,
+                            model=SHAPES[args.shape], data=data,
+                            settings={key: value for key, value in vars(args).items() if key not in ("plot_only",
+                                                                                                      "merge")})
+    report(document, args.out)
+
+
+def comparisons(runs: list[dict], smoothing: int) -> dict:
+    """FAT5 over transformers in real tokens/s, and their loss curves against the noise of two seeds.
+
+    Paths are compared at the same initialisation and seed (the same first weights and batches); the noise is the
+    difference between the first two seeds of one path (other weights, other batch order), over the same steps."""
+    finished = {(run["path"], run["initialization"], run["seed"]): run for run in runs if "loss" in run}
+    pairs = [(finished[key], finished["transformers", key[1], key[2]]) for key in finished
+             if key[0] == "fat5" and ("transformers", key[1], key[2]) in finished]
+    results = {}
+    ratios = [fat5["tokens_per_second"] / transformers["tokens_per_second"] for fat5, transformers in pairs
+              if fat5.get("tokens_per_second") and transformers.get("tokens_per_second")]
     if ratios:
         results["fat5_over_transformers_tokens_per_second"] = round(float(np.mean(ratios)), 2)
-    document = write_result(args.out, results, shape=args.shape, model=SHAPES[args.shape], data=data,
-                            settings={key: value for key, value in vars(args).items() if key != "plot_only"})
-    draw_beside(plot, document, args.out)
+    agreement = []
+    for fat5, transformers in pairs:
+        between = curve_differences(fat5["loss"], transformers["loss"], smoothing)
+        entry = {"initialization": fat5["initialization"], "seed": fat5["seed"], "fat5_vs_transformers": between}
+        for path in ("fat5", "transformers"):
+            seeds = sorted(key[2] for key in finished if key[:2] == (path, fat5["initialization"]))
+            if len(seeds) < 2:
+                continue
+            first, second = (finished[path, fat5["initialization"], seed]["loss"][: between["steps_compared"]]
+                             for seed in seeds[:2])
+            noise = curve_differences(second, first, smoothing)
+            entry[f"{path}_seed_{seeds[1]}_vs_{seeds[0]}"] = noise
+            within = all(between[key] <= noise[key] for key in ("smoothed_mean", "smoothed_max"))
+            entry["within_seed_noise"] = bool(entry.get("within_seed_noise", True) and within)
+        agreement.append(entry)
+    if agreement:
+        results["loss_agreement"] = {"smoothing": smoothing, "pairs": agreement}
+    return results
+
+
+def merge_files(paths: list[str], out: str, smoothing: int) -> None:
+    """``--merge``: the runs of several result files of one shape (a device call's time limit fits only so many
+    runs) as one result, compared as if one invocation had made them."""
+    documents = []
+    for path in paths:
+        with open(path) as handle:
+            documents.append(json.load(handle))
+    for field in ("shape", "data"):
+        if len({json.dumps(document[field], sort_keys=True) for document in documents}) > 1:
+            raise SystemExit(f"--merge: the files differ in their {field}; merge the runs of one shape and data")
+    first = documents[0]
+    runs = [dict(run, source=path) for path, document in zip(paths, documents) for run in document["results"]["runs"]]
+    shared = ("batch_shapes", "vocab_size", "tokens_per_batch")
+    results = {**{key: first["results"][key] for key in shared}, "runs": runs, **comparisons(runs, smoothing)}
+    document = write_result(out, results, shape=first["shape"], model=first["model"], data=first["data"],
+                            settings={"merged": {path: document["environment"] for path, document
+                                                 in zip(paths, documents)}, "smoothing": smoothing})
+    report(document, out)
+
+
+def report(document: dict, out: str) -> None:
+    """The result's PNG, and its runs, losses, speed ratio, loss agreement and profiles on the console."""
+    draw_beside(plot, document, out)
+    results, runs = document["results"], document["results"]["runs"]
     columns = ["path", "initialization", "seed", "tokens_per_second", "mfu", "model_tflops", "seconds_per_step",
                "padding_fraction", "peak_memory_gib", "first_step_seconds", "batch_shapes", "error"]
     rows = [dict(run, first_step_seconds=run.get("first_step_seconds", [])[:6]) for run in runs]
@@ -748,11 +818,13 @@ def main(argv=None) -> None:
             marks = [step for step in (1, 10, 50, 100, 200, 300, run["steps"]) if step <= run["steps"]]
             print(f"loss {run['path']} ({run['initialization']}, seed {run['seed']}): "
                   + ", ".join(f"step {step} {run['loss'][step - 1]:.3f}" for step in dict.fromkeys(marks)))
-    if ratios:
+    if "fat5_over_transformers_tokens_per_second" in results:
         print(f"FAT5 / transformers real tokens/s: {results['fat5_over_transformers_tokens_per_second']}x")
+    for entry in results.get("loss_agreement", {}).get("pairs", []):
+        print(f"loss curves ({entry['initialization']}, seed {entry['seed']}):",
+              {key: value for key, value in entry.items() if key not in ("initialization", "seed")})
     print_profiles(runs)
-    print(environment()["gpu"] or "CPU", "->", args.out)
-
+    print(document["environment"]["gpu"] or "CPU", "->", out)
 
 if __name__ == "__main__":
     main()

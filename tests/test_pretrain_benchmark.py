@@ -48,3 +48,47 @@ def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughpu
     assert [window["profiled"] for window in run["windows"]] == [window["last_step"] >= 3 for window in run["windows"]]
     assert run["windows"][-1]["profiled"] and not run["windows"][0]["profiled"]
     assert "fat5, seed 0" in (tmp_path / "tiny_profile.txt").read_text()
+
+
+def result_file(path, runs, shape="base"):
+    document = {"environment": {"gpu": "test", "date": "today"}, "shape": shape, "model": {}, "data": {"rows": 1},
+                "results": {"runs": runs, "batch_shapes": [[1, 8, 8]], "vocab_size": 128, "tokens_per_batch": 64}}
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def run(path, seed, loss, tokens_per_second):
+    return {"path": path, "initialization": "t5x", "seed": seed, "steps": len(loss), "loss": loss,
+            "tokens_per_second": tokens_per_second,
+            "windows": [{"last_step": len(loss), "tokens_per_second": tokens_per_second}]}
+
+
+def test_merged_runs_compare_speed_and_loss_curves_against_two_seeds(pretrain_benchmark, tmp_path):
+    reference = [10.0 - 0.1 * step for step in range(40)]
+    other_seed = [value * (1.02 if step % 2 else 0.98) for step, value in enumerate(reference)]
+    # transformers' curve 0.5% off FAT5's until it turns NaN at step 31
+    transformers = [value * 1.005 for value in reference[:30]] + [float("nan")] * 10
+    first = result_file(tmp_path / "a.json", [run("fat5", 0, reference, 600.0), run("fat5", 1, other_seed, 610.0)])
+    second = result_file(tmp_path / "b.json", [run("transformers", 0, transformers, 150.0)])
+    out = tmp_path / "merged.json"
+    pretrain_benchmark.main(["--merge", first, second, "--smoothing", "4", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [entry["source"] for entry in results["runs"]] == [first, first, second]
+    assert results["fat5_over_transformers_tokens_per_second"] == 4.0
+    (pair,) = results["loss_agreement"]["pairs"]
+    between, noise = pair["fat5_vs_transformers"], pair["fat5_seed_1_vs_0"]
+    assert between["steps_compared"] == noise["steps_compared"] == 30
+    assert between["max"] == pytest.approx(0.005 / 1.005, rel=1e-2)  # |f - 1.005 f| / (1.005 f)
+    assert noise["max"] == pytest.approx(0.02, rel=1e-2)
+    # the seeds' alternating +-2% nearly cancels in a 4-step mean; the 0.5% offset does not: outside the noise
+    assert between["smoothed_mean"] > noise["smoothed_mean"] and pair["within_seed_noise"] is False
+    assert out.with_suffix(".png").exists()
+
+
+def test_merge_refuses_other_shapes_and_overwriting_its_inputs(pretrain_benchmark, tmp_path):
+    base = result_file(tmp_path / "base.json", [run("fat5", 0, [1.0] * 5, 1.0)])
+    small = result_file(tmp_path / "small.json", [run("fat5", 0, [1.0] * 5, 1.0)], shape="small")
+    with pytest.raises(SystemExit, match="differ in their shape"):
+        pretrain_benchmark.main(["--merge", base, small, "--out", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit):
+        pretrain_benchmark.main(["--merge", base, "--out", base])
