@@ -519,13 +519,15 @@ def plot(document: dict, path: str) -> None:
         if "loss" not in run:
             continue
         label = f"{run['path']} ({run['initialization']}, seed {run['seed']})"
-        windows = run["windows"]
+        # the profiled steps run under the profiler: not the training speed
+        windows = [window for window in run["windows"] if not window.get("profiled")]
         speed.plot([w["last_step"] for w in windows], [w["tokens_per_second"] for w in windows], marker=".",
                    label=label)
         loss.plot(np.arange(1, len(run["loss"]) + 1), run["loss"], label=label, linewidth=1)
-    environment_info = document["environment"]
-    speed.set(xlabel="step", ylabel="real tokens / s", title=f"{document['shape']} shape, "
-              f"{environment_info['gpu'] or 'CPU'}")
+    # a merged result was written on any machine: its runs' GPU is in the merged files' environments
+    sources = [document["environment"], *document.get("settings", {}).get("merged", {}).values()]
+    gpu = next((source["gpu"] for source in reversed(sources) if source.get("gpu")), None) or "CPU"
+    speed.set(xlabel="step", ylabel="real tokens / s", title=f"{document['shape']} shape, {gpu}")
     loss.set(xlabel="step", ylabel="cross-entropy", title="training loss, same examples and initial weights")
     for axis in (speed, loss):
         axis.grid(alpha=0.3)
