@@ -9,29 +9,39 @@ that issue names, and times each against the same peers:
 * ``pointer``: K and V read with plain pointer loads (pipelined by Triton into cp.async): the kernel's baseline;
 * ``tma``: Q, K, V and the output moved through device-side tensor descriptors (``tl.make_tensor_descriptor``,
   TMA on Hopper); the descriptors need the global scratch that ``triton.set_allocator`` provides;
-* ``tma_ws``: ``tma`` with ``warp_specialize=True`` on the key loop (producer warps issue the TMA loads);
 * ``persistent``: ``tma`` on a persistent grid (as many programs as SMs, each looping over the tiles);
-* ``persistent_ws``: both.
+* ``tma_ws`` and ``persistent_ws``: the same with ``warp_specialize=True`` on the key loop (producer warps issue
+  the TMA loads).
 
 Each variant runs with three biases: ``no_bias``; ``t5``, where every tile gathers its scores' bias from the head's
 row of bias by relative distance, ``row[h, clamp(rel, -(D+1), D+1) + D + 1]`` (D = max_distance; computed in torch
 beforehand: T5's bucket function, the table gathered, times log2(e)); and ``t5_far``, FAT5's optimisation on top:
-a key tile wholly beyond D from the query tile adds one scalar and skips the gather. The T5 table is (32, heads),
-bidirectional, max_distance 128. The rows are built outside the timed call (a stack builds them once per forward;
-their cost is reported apart as ``t5_bias_rows_ms``); FAT5's own time includes its prologue kernel that does it.
+the key tiles wholly beyond D from the query tile (far) add one scalar and skip the gather, in one loop over both
+runs of far tiles after the loop over the near ones. The T5 table is (32, heads), bidirectional, max_distance 128.
+The rows are built outside the timed call (a stack builds them once per forward; their cost is reported apart as
+``t5_bias_rows_ms``); FAT5's own time includes its prologue kernel that does it.
+
+The near loop (the pointer gather) is never warp-specialized under ``t5_far``: Triton 3.9, compiling for sm_90,
+rejects a pointer load in a warp-specialized loop ("unsupported load type for producer commit") and a kernel with
+a warp-specialized loop beside another loop, so there ``*_ws`` with ``t5`` and ``t5_far`` are expected to come out
+unsupported and only ``no_bias`` to be warp-specialized; another Triton may differ, and the JSON says, per route,
+whether its TTGIR holds a warp-specialized region and TMA copies (Triton drops ``warp_specialize`` silently from a
+loop it does not pipeline). Configs with a fifth element set the stages of the gathering loop (FAT5 runs it with
+one: pipelined, it stages the gathered bias tile through shared memory beside K and V).
 
 Peers: ``cudnn_no_bias``, SDPA forced to cuDNN without a bias (the ceiling), and FAT5's production forward
-(``fat5.kernels.attention.attention``, backend "triton", under no_grad) with no bias and with the T5 table.
+(``fat5.kernels.attention.attention``, backend "triton", under no_grad) with no bias and with the T5 table, both
+on the (batch, heads, length, head_dim) transposed views that the model hands them.
 
 Method: bf16, 12 heads, head_dim 64, batch x length = 32768 tokens; TFLOP/s = 4·B·H·L²·D / time, the time a
 ``triton.testing.do_bench`` median. Every (variant, bias, launch config) is first checked on the GPU against an
 fp32 reference (softmax(q kᵀ + bias) v, the bias materialised by FAT5's PyTorch T5 buckets) at batch 4, L 512
 (where far tiles exist); a relative error above 2e-2 is reported as failed and not timed, and a route that the
-installed Triton rejects is reported as unsupported with its error. Each variant keeps its best config per length;
-the JSON holds them all, with the registers, spills and whether the TTGIR shows TMA copies and a warp-specialized
-loop (a Triton may accept ``warp_specialize`` and not apply it).
+installed Triton rejects is reported as unsupported with its error. Each variant keeps its best config per length
+in the summary; the JSON holds every config, with its registers and spills.
 
     python benchmarks/attention_hopper.py                        # H100: JSON, PNG, markdown table (< 4 minutes)
+    python benchmarks/attention_hopper.py --variants pointer tma --configs 128,64,4,3 128,64,4,3,1
     python benchmarks/attention_hopper.py --interpret-check      # CPU: the kernels' logic under TRITON_INTERPRET=1
     python benchmarks/attention_hopper.py --plot-only benchmarks/results/attention_hopper.json
 """
@@ -60,12 +70,18 @@ HEAD_DIM = 64
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
 LENGTHS = [512, 1024, 2048]
-CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)]  # block_m, block_n, warps, stages
-VARIANTS = {  # name: (TMA descriptors, warp-specialized key loop, persistent grid)
+# block_m, block_n, warps, stages[, stages of the loop over gathering T5 tiles]: Triton's pipeliner stages the
+# gathered bias tile through shared memory with K and V (32 KB a stage at 128 x 64; 128 KB in all at 3 stages, one
+# program per SM), which FAT5 avoids by not pipelining that loop (its GATHER_LOOP_STAGES); the 5-element configs
+# try that too, and are skipped without a bias
+CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3, 1), (128, 64, 8, 2, 1)]
+# name: (TMA descriptors, warp-specialized key loop, persistent grid); the warp-specialized ones last, where a
+# compiler crash would cost the least (the result file is rewritten after each variant)
+VARIANTS = {
     "pointer": (False, False, False),
     "tma": (True, False, False),
-    "tma_ws": (True, True, False),
     "persistent": (True, False, True),
+    "tma_ws": (True, True, False),
     "persistent_ws": (True, True, True),
 }
 CHECK_BATCH, CHECK_LENGTH = 4, 512
@@ -94,9 +110,11 @@ TILE_SCALAR = tl.constexpr(2)
 def _load_rows(source, row, column, row_stride, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
     """Rows [row, row + ROWS) of one head's columns from the (tokens, heads x head_dim) view of a tensor."""
     if USE_TMA:
-        return source.load([row.to(tl.int32), column])
-    offsets = (row + tl.arange(0, ROWS))[:, None] * row_stride + column + tl.arange(0, HEAD_DIM)[None, :]
-    return tl.load(source + offsets)
+        block = source.load([row.to(tl.int32), column])
+    else:  # (an early return would not spare the pointer path from being compiled for a descriptor)
+        offsets = (row + tl.arange(0, ROWS))[:, None] * row_stride + column + tl.arange(0, HEAD_DIM)[None, :]
+        block = tl.load(source + offsets)
+    return block
 
 
 @triton.jit
@@ -112,13 +130,20 @@ def _store_rows(target, row, column, row_stride, block, ROWS: tl.constexpr, HEAD
 @triton.jit
 def _key_loop(
     acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions, qk_scale,
-    bias_scalar, block_start, block_end,
+    step_start, step_end, gap_start, gap, left_bias, right_bias,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_BIAS: tl.constexpr, MAX_DISTANCE: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):
-    """The online softmax over key blocks [block_start, block_end), scores in log2 units."""
-    for block in tl.range(block_start, block_end, warp_specialize=WARP_SPECIALIZE):
-        key_start = block * BLOCK_N
+    """The online softmax over key blocks ``step`` for step in [step_start, gap_start) and ``step + gap`` for step in
+    [gap_start, step_end), scores in log2 units; TILE_SCALAR adds ``left_bias`` before the gap, ``right_bias`` after
+    it. One loop walks both runs of far tiles: Triton 3.9 rejects consecutive warp-specialized loops."""
+    if TILE_BIAS == TILE_GATHER:
+        loop_stages: tl.constexpr = GATHER_STAGES
+    else:
+        loop_stages: tl.constexpr = None
+    for step in tl.range(step_start, step_end, num_stages=loop_stages, warp_specialize=WARP_SPECIALIZE):
+        after_gap = step >= gap_start
+        key_start = (step + tl.where(after_gap, gap, 0)) * BLOCK_N
         k = _load_rows(keys, first_row + key_start, column, row_stride, BLOCK_N, HEAD_DIM, USE_TMA)
         scores = tl.dot(q, tl.trans(k)) * qk_scale
         if TILE_BIAS == TILE_GATHER:
@@ -126,7 +151,7 @@ def _key_loop(
             clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
             scores += tl.load(bias_row + clamped + MAX_DISTANCE + 1)
         elif TILE_BIAS == TILE_SCALAR:
-            scores += bias_scalar
+            scores += tl.where(after_gap, right_bias, left_bias)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         p = tl.math.exp2(scores - new_max[:, None])
         alpha = tl.math.exp2(row_max - new_max)
@@ -141,7 +166,7 @@ def _key_loop(
 def _attention_tile(
     query_block, batch_head, queries, keys, values, out, BiasRows, num_heads, seqlen, row_stride, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
-    MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):
     """One (query block, batch x head) tile of the output."""
     head = batch_head % num_heads
@@ -156,28 +181,28 @@ def _attention_tile(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     num_blocks = seqlen // BLOCK_N
     if BIAS == BIAS_T5_FAR:
-        # key blocks wholly at rel <= -(D+1) (left) or >= D+1 (right) see one bias value (T5's last buckets)
+        # key blocks wholly at rel <= -(D+1) (left) or >= D+1 (right) see one bias value (T5's last buckets); the
+        # near blocks between them gather, in a loop that is never warp-specialized (Triton 3.9 rejects the
+        # pointer gather in a warp-specialized loop: "unsupported load type for producer commit")
         far_left_end = tl.minimum(tl.maximum((start_m - MAX_DISTANCE) // BLOCK_N, 0), num_blocks)
         far_right_start = tl.minimum(tl.maximum(tl.cdiv(start_m + BLOCK_M + MAX_DISTANCE, BLOCK_N), far_left_end),
                                      num_blocks)
         acc, row_sum, row_max = _key_loop(
             acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
-            qk_scale, tl.load(bias_row), 0, far_left_end,
-            BLOCK_N, HEAD_DIM, TILE_SCALAR, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
+            qk_scale, far_left_end, far_right_start, far_right_start, 0, 0.0, 0.0,
+            BLOCK_N, HEAD_DIM, TILE_GATHER, MAX_DISTANCE, USE_TMA, False, GATHER_STAGES)
+        near_blocks = far_right_start - far_left_end
         acc, row_sum, row_max = _key_loop(
             acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
-            qk_scale, 0.0, far_left_end, far_right_start,
-            BLOCK_N, HEAD_DIM, TILE_GATHER, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
-        acc, row_sum, row_max = _key_loop(
-            acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
-            qk_scale, tl.load(bias_row + 2 * MAX_DISTANCE + 2), far_right_start, num_blocks,
-            BLOCK_N, HEAD_DIM, TILE_SCALAR, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
+            qk_scale, 0, num_blocks - near_blocks, far_left_end, near_blocks,
+            tl.load(bias_row), tl.load(bias_row + 2 * MAX_DISTANCE + 2),
+            BLOCK_N, HEAD_DIM, TILE_SCALAR, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
     else:
         tile_bias: tl.constexpr = TILE_GATHER if BIAS == BIAS_T5 else TILE_PLAIN
         acc, row_sum, row_max = _key_loop(
             acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
-            qk_scale, 0.0, 0, num_blocks,
-            BLOCK_N, HEAD_DIM, tile_bias, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
+            qk_scale, 0, num_blocks, num_blocks, 0, 0.0, 0.0,
+            BLOCK_N, HEAD_DIM, tile_bias, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
     output = acc / row_sum[:, None]
     _store_rows(out, first_row + start_m, column, row_stride, output.to(q.dtype), BLOCK_M, HEAD_DIM, USE_TMA)
 
@@ -187,6 +212,7 @@ def _forward_kernel(
     Q, K, V, Out, BiasRows, batch_heads, num_heads, seqlen, total_rows, row_stride, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
     MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+    GATHER_STAGES: tl.constexpr,
 ):
     """Q, K, V, Out are (batch x length, heads x head_dim) with unit column stride; a grid of (query blocks,
     batch x heads) programs, or a persistent grid whose programs stride over the tiles (query blocks fastest, so
@@ -203,11 +229,13 @@ def _forward_kernel(
         for tile in tl.range(tl.program_id(0), query_blocks * batch_heads, tl.num_programs(0)):
             _attention_tile(
                 tile % query_blocks, tile // query_blocks, queries, keys, values, out, BiasRows, num_heads, seqlen,
-                row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
+                row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE,
+                GATHER_STAGES)
     else:
         _attention_tile(
             tl.program_id(0), tl.program_id(1), queries, keys, values, out, BiasRows, num_heads, seqlen,
-            row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE)
+            row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE,
+                GATHER_STAGES)
 
 
 def scratch_allocator(device):
@@ -222,7 +250,7 @@ def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_D
     head_dim as the token stride; returns (out, the compiled kernel). ``bias_rows`` is (heads, 2 * max_distance + 3)
     in log2 units (ignored for no_bias); ``programs`` is the persistent grid's size (default: the SM count)."""
     batch, length, heads, head_dim = q.shape
-    block_m, block_n, num_warps, num_stages = config
+    block_m, block_n, num_warps, num_stages, *gather_stages = config
     if length % block_m or length % block_n:
         raise ValueError(f"length {length} must be a multiple of block_m {block_m} and block_n {block_n}")
     for name, tensor in (("q", q), ("k", k), ("v", v)):
@@ -241,7 +269,7 @@ def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_D
         q, k, v, out, bias_rows, batch * heads, heads, length, batch * length, heads * head_dim, LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BIAS=BIASES[bias], MAX_DISTANCE=max_distance,
         USE_TMA=use_tma, WARP_SPECIALIZE=warp_specialize, PERSISTENT=persistent,
-        num_warps=num_warps, num_stages=num_stages,
+        GATHER_STAGES=gather_stages[0] if gather_stages else None, num_warps=num_warps, num_stages=num_stages,
     )
     return out, compiled
 
@@ -293,8 +321,8 @@ def compiled_facts(compiled):
             facts[field] = getattr(compiled, field)
     ttgir = getattr(compiled, "asm", {}).get("ttgir") if hasattr(compiled, "asm") else None
     if ttgir:
-        facts["ttgir_tma_copies"] = "tma" in ttgir.lower()
-        facts["ttgir_warp_specialize"] = "warp_specialize" in ttgir
+        facts["ttgir_tma_copies"] = "async_tma_copy" in ttgir
+        facts["ttgir_warp_specialize"] = "ttg.warp_specialize" in ttgir
     return facts
 
 
@@ -398,8 +426,9 @@ def measure_peers(lengths, inputs_by_length):
     return rows
 
 
-def measure_routes(lengths, inputs_by_length, configs):
-    """Every (variant, bias, config): checked at the check shape, then, if it passed, timed at every length."""
+def measure_routes(lengths, inputs_by_length, variants, configs, rows, save):
+    """Every (variant, bias, config) appended to ``rows``: checked at the check shape, then, if it passed, timed at
+    every length; ``save()`` after each variant (a route that breaks the CUDA context leaves what came before)."""
     import triton.testing
 
     inputs = make_inputs(CHECK_BATCH, CHECK_LENGTH, HEADS, HEAD_DIM, "cuda", torch.bfloat16, seed=1)
@@ -407,17 +436,19 @@ def measure_routes(lengths, inputs_by_length, configs):
     expected = {with_bias: reference_forward(q, k, v, table if with_bias else None, MAX_DISTANCE)
                 for with_bias in (False, True)}
     bias_rows = {length: t5_bias_rows(inputs_by_length[length][3], MAX_DISTANCE) for length in lengths}
-    rows = []
-    for variant in VARIANTS:
+    for variant in variants:
         for bias in BIASES:
             for config in configs:
+                if bias == "no_bias" and len(config) > 4:
+                    continue
                 started = time.time()
                 row = {"variant": variant, "bias": bias, "config": list(config),
                        **check(variant, bias, config, inputs, expected, MAX_DISTANCE), "timings": {}}
                 for length in lengths if row["status"] == "ok" else ():
                     lq, lk, lv, _ = inputs_by_length[length]
                     ms = triton.testing.do_bench(
-                        functools.partial(hopper_forward, lq, lk, lv, bias_rows[length], variant, bias, config),
+                        functools.partial(hopper_forward, lq, lk, lv, bias_rows[length], variant, bias, config,
+                                          MAX_DISTANCE),
                         warmup=25, rep=100, return_mode="median")
                     row["timings"][str(length)] = {"ms": ms, "tflops": forward_flops(lq.shape[0], length) / ms / 1e9}
                 row["seconds"] = round(time.time() - started, 1)
@@ -425,25 +456,28 @@ def measure_routes(lengths, inputs_by_length, configs):
                 tflops = {length: round(t["tflops"], 1) for length, t in row["timings"].items()}
                 print(f"{variant:14} {bias:8} {config} {row['status'][:120]} {tflops} ({row['seconds']} s)",
                       flush=True)
-    return rows
+        save()
 
 
-def bias_rows_ms(lengths, inputs_by_length):
+def bias_rows_ms(table):
     """The host-side build of the T5 bias rows, which the routes' timings leave out (once per forward of a stack)."""
     import triton.testing
 
-    return {str(length): triton.testing.do_bench(functools.partial(t5_bias_rows, inputs_by_length[length][3],
-                                                                   MAX_DISTANCE),
-                                                 warmup=25, rep=100, return_mode="median") for length in lengths}
+    return triton.testing.do_bench(functools.partial(t5_bias_rows, table, MAX_DISTANCE), warmup=25, rep=100,
+                                   return_mode="median")
 
 
 def summarise(peers, routes, lengths):
-    """One row per implementation (each route at its best config per length): TFLOP/s and the ratio to cuDNN."""
-    best = {}
+    """One row per implementation (each route at its best config per length): TFLOP/s and the ratio to cuDNN; an
+    implementation that was never timed shows why (its first config's status)."""
+    best, notes = {}, {}
     for row in peers:
-        best[row["implementation"]] = {length: (timing["tflops"], None) for length, timing in row["timings"].items()}
+        best[row["implementation"]] = {length: (timing["tflops"], None) for length, timing in row.get("timings",
+                                                                                                      {}).items()}
+        notes[row["implementation"]] = row["status"]
     for row in routes:
         name = f"{row['variant']}_{row['bias']}"
+        notes.setdefault(name, row["status"])
         entries = best.setdefault(name, {})
         for length, timing in row["timings"].items():
             if length not in entries or timing["tflops"] > entries[length][0]:
@@ -451,7 +485,7 @@ def summarise(peers, routes, lengths):
     cudnn = best.get("cudnn_no_bias", {})
     summary = []
     for name, entries in best.items():
-        line = {"implementation": name}
+        line = {"implementation": name, "note": "" if entries else notes[name][:100]}
         for length in map(str, lengths):
             if length not in entries:
                 line[f"L{length} TFLOP/s"] = "-"
@@ -483,7 +517,7 @@ def plot(document, path):
                 continue
             if name == "cudnn_no_bias":
                 axis.plot(*zip(*points), "k--", linewidth=2, label=name)
-            elif name.endswith(endings) and not (endings == ("no_bias",) and name.endswith("t5")):
+            elif name.endswith(endings):
                 axis.plot(*zip(*points), marker="o", linewidth=2.5 if name.startswith("fat5") else 1.2,
                           label=name)
         axis.set_xscale("log", base=2)
@@ -493,28 +527,37 @@ def plot(document, path):
         axis.set_ylabel("forward TFLOP/s")
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=7)
-    save_png(figure, path, document, f"attention forward, bf16, {HEADS} heads, head_dim {HEAD_DIM}, {TOKENS} tokens",
+    save_png(figure, path, document, f"attention forward, bf16, {document['heads']} heads, head_dim "
+             f"{document['head_dim']}, {document['tokens']} tokens",
              dpi=110)
 
 
-def benchmark(lengths, configs):
+def benchmark(args):
+    """The peers, then every route; the result file is rewritten after each variant."""
     triton.set_allocator(scratch_allocator("cuda"))
     started = time.time()
     inputs_by_length = {length: make_inputs(TOKENS // length, length, HEADS, HEAD_DIM, "cuda", torch.bfloat16)
-                        for length in lengths}
+                        for length in args.lengths}
+    results = {"peers": [], "routes": [], "summary": []}
+
+    def save():
+        results["summary"] = summarise(results["peers"], results["routes"], args.lengths)
+        results["seconds"] = round(time.time() - started, 1)
+        return write_result(args.out, results, lengths=args.lengths, configs=args.configs, heads=HEADS,
+                            head_dim=HEAD_DIM, tokens=TOKENS, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
+
     with torch.no_grad():
-        peers = measure_peers(lengths, inputs_by_length)
-        routes = measure_routes(lengths, inputs_by_length, configs)
-        results = {"peers": peers, "routes": routes, "t5_bias_rows_ms": bias_rows_ms(lengths, inputs_by_length)}
-    results["summary"] = summarise(peers, routes, lengths)
-    results["seconds"] = round(time.time() - started, 1)
-    return results
+        results["t5_bias_rows_ms"] = bias_rows_ms(inputs_by_length[args.lengths[0]][3])
+        results["peers"] = measure_peers(args.lengths, inputs_by_length)
+        save()
+        measure_routes(args.lengths, inputs_by_length, args.variants, args.configs, results["routes"], save)
+    return results, save()
 
 
 def parse_config(text):
     values = tuple(int(value) for value in text.split(","))
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"a config is block_m,block_n,warps,stages, got {text!r}")
+    if len(values) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"a config is block_m,block_n,warps,stages[,gather_stages], got {text!r}")
     return values
 
 
@@ -523,7 +566,9 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/attention_hopper.json")
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--configs", type=parse_config, nargs="+", default=CONFIGS,
-                        help="launch configs block_m,block_n,warps,stages (default: %(default)s)")
+                        help="launch configs block_m,block_n,warps,stages[,gather_stages] (default: %(default)s)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="the experimental kernel's variants to time (default: all)")
     parser.add_argument("--interpret-check", action="store_true",
                         help="check the kernels against the fp32 reference on the CPU under TRITON_INTERPRET=1")
     args = parse_or_plot(parser, plot)
@@ -539,11 +584,10 @@ def main():
     if wrong:
         raise SystemExit(f"lengths {wrong} must divide {TOKENS} tokens and be multiples of every config's blocks "
                          f"({block})")
-    results = benchmark(args.lengths, args.configs)
-    document = write_result(args.out, results, lengths=args.lengths, configs=args.configs, heads=HEADS,
-                            head_dim=HEAD_DIM, tokens=TOKENS, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
+    results, document = benchmark(args)
     draw_beside(plot, document, args.out)
     columns = ["implementation"] + [f"L{length} {field}" for length in args.lengths for field in ("TFLOP/s", "/ cuDNN")]
+    columns.append("note")
     print()
     print(markdown_table(results["summary"], columns))
     print(f"\nT5 bias rows, built outside the routes' timings: {results['t5_bias_rows_ms']} ms; "
