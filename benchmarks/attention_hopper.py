@@ -97,10 +97,9 @@ INTERPRET_CONFIG = (32, 16, 1, 1)
 INTERPRET_PROGRAMS = 3  # the persistent grid's size under the interpreter: several tiles per program
 
 LOG2E = 1.4426950408889634
-BIAS_NONE = tl.constexpr(0)
 BIAS_T5 = tl.constexpr(1)  # every tile gathers from the row of bias by distance
 BIAS_T5_FAR = tl.constexpr(2)  # near tiles gather, far tiles add one scalar (FAT5's split)
-BIASES = {"no_bias": 0, "t5": 1, "t5_far": 2}
+BIASES = {"no_bias": 0, "t5": BIAS_T5.value, "t5_far": BIAS_T5_FAR.value}
 TILE_PLAIN = tl.constexpr(0)
 TILE_GATHER = tl.constexpr(1)
 TILE_SCALAR = tl.constexpr(2)
@@ -240,7 +239,7 @@ def _forward_kernel(
         _attention_tile(
             tl.program_id(0), tl.program_id(1), queries, keys, values, out, BiasRows, num_heads, seqlen,
             row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE,
-                GATHER_STAGES)
+            GATHER_STAGES)
 
 
 def scratch_allocator(device):
