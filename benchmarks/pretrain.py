@@ -300,7 +300,8 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
-            self.profiler = profile(activities=activities)
+            # with the Python stacks, so that the host operators' table names the line behind each
+            self.profiler = profile(activities=activities, with_stack=True)
             self.profiler.__enter__()
         elif step == self.timed_step + self.steps and self.profiler is not None:
             if self.on_gpu:
@@ -347,11 +348,30 @@ class StepProfiler:
             host_operator_ms={event.key: round(event.self_cpu_time_total / 1e3 / self.steps, 3)
                               for event in host_operators})
         sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        self.result["operator_callers_ms"] = operator_callers(self.profiler.events(), self.steps)
         with open(self.text_path, "a") as handle:
             handle.write(f"# {self.label}: steps {self.result['profiled_steps']}\n{self.result}\n\n"
-                         f"{averages.table(sort_by=sort_by, row_limit=30, max_name_column_width=80)}\n"
+                         f"{averages.table(sort_by=sort_by, row_limit=100, max_name_column_width=80)}\n"
                          f"{averages.table(sort_by='self_cpu_time_total', row_limit=30, max_name_column_width=80)}\n")
         self.profiler = None
+
+
+def operator_callers(events, steps: int, count: int = 10) -> dict[str, float]:
+    """Milliseconds a step of the operators launched outside the CUDA graphs (whose replays have no Python caller),
+    by operator and the Python lines that called it (innermost first; the profiler records them ``with_stack``):
+    the costliest ``count``. Device time on a GPU, host time on a CPU."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if not event.name.startswith("aten::") or (event.cpu_parent and event.cpu_parent.name.startswith("aten::")):
+            continue
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < 3:
+            if ".py(" in parent.name:
+                frames.append(parent.name)
+            parent = parent.cpu_parent
+        key = f"{event.name} <- {' <- '.join(frames)}"
+        totals[key] = totals.get(key, 0.0) + (event.device_time_total or event.cpu_time_total) / 1e3 / steps
+    return {key: round(value, 3) for key, value in sorted(totals.items(), key=lambda item: -item[1])[:count]}
 
 
 class UnpackedSteps(torch.utils.data.IterableDataset):

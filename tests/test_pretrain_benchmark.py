@@ -44,6 +44,8 @@ def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughpu
     assert profile["profiled_steps"] == [5, 5]
     assert profile["host_enqueue_ms"] > 0 and profile["device_ms"] is None  # no device events on a CPU
     assert any("mm" in operator for operator in profile["host_operator_ms"])
+    # the costliest operators outside CUDA graphs, each with the Python lines that called it
+    assert all(key.startswith("aten::") and ".py(" in key for key in profile["operator_callers_ms"])
     # step 4 is timed alone from the end of step 3: the windows from there on are left out
     assert [window["profiled"] for window in run["windows"]] == [window["last_step"] >= 3 for window in run["windows"]]
     assert run["windows"][-1]["profiled"] and not run["windows"][0]["profiled"]
