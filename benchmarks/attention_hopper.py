@@ -368,7 +368,8 @@ def t5_bias_bank(bias_rows, block_m, block_n, max_distance, dtype=torch.float32)
     """(heads, diagonals, block_m, block_n): every near tile's bias, ``bank[h, t, i, j] = row[h, clamp(offset_t + j
     - i, -(D+1), D+1) + D + 1]`` with offset_t the t-th of bank_diagonals times block_n; a near tile's bias depends
     only on its head and diagonal offset (fixed length, no query offset), so the kernel reads it whole."""
-    offsets = torch.tensor(bank_diagonals(block_m, block_n, max_distance), device=bias_rows.device) * block_n
+    diagonals = bank_diagonals(block_m, block_n, max_distance)
+    offsets = torch.arange(diagonals.start, diagonals.stop, device=bias_rows.device) * block_n
     relative = (offsets[:, None, None] + torch.arange(block_n, device=bias_rows.device)[None, None, :]
                 - torch.arange(block_m, device=bias_rows.device)[None, :, None])
     index = relative.clamp(-(max_distance + 1), max_distance + 1) + max_distance + 1
