@@ -15,21 +15,30 @@ that issue names, and times each against the same peers:
 * ``tma_ws`` and ``persistent_ws``: the same with ``warp_specialize=True`` on the key loop (producer warps issue
   the TMA loads).
 
-Each variant runs with three biases: ``no_bias``; ``t5``, where every tile gathers its scores' bias from the head's
+Each variant runs with five biases: ``no_bias``; ``t5``, where every tile gathers its scores' bias from the head's
 row of bias by relative distance, ``row[h, clamp(rel, -(D+1), D+1) + D + 1]`` (D = max_distance; computed in torch
-beforehand: T5's bucket function, the table gathered, times log2(e)); and ``t5_far``, FAT5's optimisation on top:
+beforehand: T5's bucket function, the table gathered, times log2(e)); ``t5_far``, FAT5's optimisation on top:
 the key tiles wholly beyond D from the query tile (far) add one scalar and skip the gather, in one loop over both
-runs of far tiles after the loop over the near ones. The T5 table is (32, heads), bidirectional, max_distance 128.
-The rows are built outside the timed call (a stack builds them once per forward; their cost is reported apart as
-``t5_bias_rows_ms``); FAT5's own time includes its prologue kernel that does it.
+runs of far tiles after the loop over the near ones; and ``t5_bank``, ``t5_far`` without the per-score gather, which
+is what costs (on an H100, ``pointer_t5`` runs at under half of ``pointer_no_bias``): a near tile's bias depends only
+on the head and on the tile's diagonal offset ``start_n - start_m`` (fixed length, no query offset), which takes a
+handful of values (six at 128 x 64 tiles and D = 128), so a bank of those tiles per head, ``bank[h, t, i, j] =
+row[h, clamp(offset_t + j - i, -(D+1), D+1) + D + 1]`` (fp32; 2.4 MB for 12 heads at 128 x 64: it stays in L2),
+is built per launch config's tile shape and the near loop reads its tile with one contiguous 2-D load;
+``t5_bank16`` keeps the bank in bf16 (half the bytes, converted to fp32 on load; its error is held to bf16's bound
+whatever the inputs' dtype). The T5 table is (32, heads), bidirectional, max_distance 128. The rows and the banks are
+built outside the timed call (a stack builds them once per forward; their cost is reported apart as
+``t5_bias_rows_ms`` and ``t5_bank_ms``, the banks' size as ``t5_bank_bytes``); FAT5's own time includes its prologue
+kernel that builds its rows.
 
-The near loop (the pointer gather) is never warp-specialized under ``t5_far``: Triton 3.9, compiling for sm_90,
-rejects a pointer load in a warp-specialized loop ("unsupported load type for producer commit") and a kernel with
-a warp-specialized loop beside another loop, so there ``*_ws`` with ``t5`` and ``t5_far`` are expected to come out
-unsupported and only ``no_bias`` to be warp-specialized; another Triton may differ, and the JSON says, per route,
-whether its TTGIR holds a warp-specialized region and TMA copies (Triton drops ``warp_specialize`` silently from a
-loop it does not pipeline). Configs with a fifth element set the stages of the gathering loop (FAT5 runs it with
-one: pipelined, it stages the gathered bias tile through shared memory beside K and V).
+The near loop (the pointer gather, or the bank's load) is never warp-specialized under ``t5_far`` and ``t5_bank``:
+Triton 3.9, compiling for sm_90, rejects a pointer load in a warp-specialized loop ("unsupported load type for
+producer commit") and a kernel with a warp-specialized loop beside another loop, so there ``*_ws`` with the T5
+biases are expected to come out unsupported and only ``no_bias`` to be warp-specialized; another Triton may differ,
+and the JSON says, per route, whether its TTGIR holds a warp-specialized region and TMA copies (Triton drops
+``warp_specialize`` silently from a loop it does not pipeline). Configs with a fifth element set the stages of the
+gathering loop, or of the bank's near loop (FAT5 runs its gather with one: pipelined, it stages the gathered bias
+tile through shared memory beside K and V).
 
 Peers: ``cudnn_no_bias``, SDPA forced to cuDNN without a bias (the ceiling), and FAT5's production forward
 (``fat5.kernels.attention.attention``, backend "triton", under no_grad) with no bias and with the T5 table, both
@@ -72,7 +81,7 @@ HEAD_DIM = 64
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
 LENGTHS = [512, 1024, 2048]
-# block_m, block_n, warps, stages[, stages of the loop over gathering T5 tiles]: Triton's pipeliner stages the
+# block_m, block_n, warps, stages[, stages of the loop over gathering (or bank-reading) T5 tiles]: Triton's pipeliner stages the
 # gathered bias tile through shared memory with K and V (32 KB a stage at 128 x 64; 128 KB in all at 3 stages, one
 # program per SM), which FAT5 avoids by not pipelining that loop (its GATHER_LOOP_STAGES); the 5-element configs
 # try that too, and are skipped without a bias
@@ -99,10 +108,14 @@ INTERPRET_PROGRAMS = 3  # the persistent grid's size under the interpreter: seve
 LOG2E = 1.4426950408889634
 BIAS_T5 = tl.constexpr(1)  # every tile gathers from the row of bias by distance
 BIAS_T5_FAR = tl.constexpr(2)  # near tiles gather, far tiles add one scalar (FAT5's split)
-BIASES = {"no_bias": 0, "t5": BIAS_T5.value, "t5_far": BIAS_T5_FAR.value}
+BIAS_T5_BANK = tl.constexpr(3)  # t5_far with the near tiles read whole from a bank of precomputed bias tiles
+BIASES = {"no_bias": 0, "t5": BIAS_T5.value, "t5_far": BIAS_T5_FAR.value, "t5_bank": BIAS_T5_BANK.value,
+          "t5_bank16": BIAS_T5_BANK.value}
+BANK_DTYPES = {"t5_bank": torch.float32, "t5_bank16": torch.bfloat16}
 TILE_PLAIN = tl.constexpr(0)
 TILE_GATHER = tl.constexpr(1)
 TILE_SCALAR = tl.constexpr(2)
+TILE_BANK = tl.constexpr(3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,15 +145,17 @@ def _store_rows(target, row, column, row_stride, block, ROWS: tl.constexpr, HEAD
 
 @triton.jit
 def _key_loop(
-    acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions, qk_scale,
+    acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_source, query_positions, qk_scale,
     step_start, step_end, gap_start, gap, left_bias, right_bias,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_BIAS: tl.constexpr, MAX_DISTANCE: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATHER_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_BIAS: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):
     """The online softmax over key blocks ``step`` for step in [step_start, gap_start) and ``step + gap`` for step in
     [gap_start, step_end), scores in log2 units; TILE_SCALAR adds ``left_bias`` before the gap, ``right_bias`` after
-    it. One loop walks both runs of far tiles: Triton 3.9 rejects consecutive warp-specialized loops."""
-    if TILE_BIAS == TILE_GATHER:
+    it. One loop walks both runs of far tiles: Triton 3.9 rejects consecutive warp-specialized loops.
+    ``bias_source``: TILE_GATHER's head row of bias by distance; TILE_BANK's bank tile for key block 0 (that of
+    key block b is b tiles further: the query block's diagonal offsets are consecutive tiles of the bank)."""
+    if TILE_BIAS == TILE_GATHER or TILE_BIAS == TILE_BANK:
         loop_stages: tl.constexpr = GATHER_STAGES
     else:
         loop_stages: tl.constexpr = None
@@ -152,7 +167,11 @@ def _key_loop(
         if TILE_BIAS == TILE_GATHER:
             relative = (key_start + tl.arange(0, BLOCK_N))[None, :] - query_positions[:, None]
             clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
-            scores += tl.load(bias_row + clamped + MAX_DISTANCE + 1)
+            scores += tl.load(bias_source + clamped + MAX_DISTANCE + 1)
+        elif TILE_BIAS == TILE_BANK:
+            tile = bias_source + (key_start // BLOCK_N) * (BLOCK_M * BLOCK_N)
+            scores += tl.load(tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                              ).to(tl.float32)
         elif TILE_BIAS == TILE_SCALAR:
             scores += tl.where(after_gap, right_bias, left_bias)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -167,7 +186,7 @@ def _key_loop(
 
 @triton.jit
 def _attention_tile(
-    query_block, batch_head, queries, keys, values, out, BiasRows, num_heads, seqlen, row_stride, qk_scale,
+    query_block, batch_head, queries, keys, values, out, BiasRows, BiasBank, num_heads, seqlen, row_stride, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
     MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):
@@ -183,36 +202,45 @@ def _attention_tile(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     num_blocks = seqlen // BLOCK_N
-    if BIAS == BIAS_T5_FAR:
+    if BIAS == BIAS_T5_FAR or BIAS == BIAS_T5_BANK:
         # key blocks wholly at rel <= -(D+1) (left) or >= D+1 (right) see one bias value (T5's last buckets); the
-        # near blocks between them gather, in a loop that is never warp-specialized (Triton 3.9 rejects the
-        # pointer gather in a warp-specialized loop: "unsupported load type for producer commit")
+        # near blocks between them gather (or read the bank), in a loop that is never warp-specialized (Triton 3.9
+        # rejects the pointer gather in a warp-specialized loop: "unsupported load type for producer commit")
         far_left_end = tl.minimum(tl.maximum((start_m - MAX_DISTANCE) // BLOCK_N, 0), num_blocks)
         far_right_start = tl.minimum(tl.maximum(tl.cdiv(start_m + BLOCK_M + MAX_DISTANCE, BLOCK_N), far_left_end),
                                      num_blocks)
+        if BIAS == BIAS_T5_BANK:
+            near_tile: tl.constexpr = TILE_BANK
+            # t5_bias_bank's layout: per head, the tiles of diagonal offsets -left_tiles .. right_tiles blocks
+            left_tiles: tl.constexpr = (MAX_DISTANCE + BLOCK_N - 1) // BLOCK_N
+            bank_tiles: tl.constexpr = left_tiles + (BLOCK_M + MAX_DISTANCE - 1) // BLOCK_N + 1
+            near_source = BiasBank + (head * bank_tiles + left_tiles - start_m // BLOCK_N) * (BLOCK_M * BLOCK_N)
+        else:
+            near_tile: tl.constexpr = TILE_GATHER
+            near_source = bias_row
         acc, row_sum, row_max = _key_loop(
-            acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
+            acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, near_source, query_positions,
             qk_scale, far_left_end, far_right_start, far_right_start, 0, 0.0, 0.0,
-            BLOCK_N, HEAD_DIM, TILE_GATHER, MAX_DISTANCE, USE_TMA, False, GATHER_STAGES)
+            BLOCK_M, BLOCK_N, HEAD_DIM, near_tile, MAX_DISTANCE, USE_TMA, False, GATHER_STAGES)
         near_blocks = far_right_start - far_left_end
         acc, row_sum, row_max = _key_loop(
             acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
             qk_scale, 0, num_blocks - near_blocks, far_left_end, near_blocks,
             tl.load(bias_row), tl.load(bias_row + 2 * MAX_DISTANCE + 2),
-            BLOCK_N, HEAD_DIM, TILE_SCALAR, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
+            BLOCK_M, BLOCK_N, HEAD_DIM, TILE_SCALAR, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
     else:
         tile_bias: tl.constexpr = TILE_GATHER if BIAS == BIAS_T5 else TILE_PLAIN
         acc, row_sum, row_max = _key_loop(
             acc, row_sum, row_max, q, keys, values, first_row, column, row_stride, bias_row, query_positions,
             qk_scale, 0, num_blocks, num_blocks, 0, 0.0, 0.0,
-            BLOCK_N, HEAD_DIM, tile_bias, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
+            BLOCK_M, BLOCK_N, HEAD_DIM, tile_bias, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE, GATHER_STAGES)
     output = acc / row_sum[:, None]
     _store_rows(out, first_row + start_m, column, row_stride, output.to(q.dtype), BLOCK_M, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Out, BiasRows, batch_heads, num_heads, seqlen, total_rows, row_stride, qk_scale,
+    Q, K, V, Out, BiasRows, BiasBank, batch_heads, num_heads, seqlen, total_rows, row_stride, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
     MAX_DISTANCE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
     GATHER_STAGES: tl.constexpr, HOST_DESCRIPTORS: tl.constexpr,
@@ -232,12 +260,12 @@ def _forward_kernel(
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), query_blocks * batch_heads, tl.num_programs(0)):
             _attention_tile(
-                tile % query_blocks, tile // query_blocks, queries, keys, values, out, BiasRows, num_heads, seqlen,
-                row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE,
-                GATHER_STAGES)
+                tile % query_blocks, tile // query_blocks, queries, keys, values, out, BiasRows, BiasBank, num_heads,
+                seqlen, row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA,
+                WARP_SPECIALIZE, GATHER_STAGES)
     else:
         _attention_tile(
-            tl.program_id(0), tl.program_id(1), queries, keys, values, out, BiasRows, num_heads, seqlen,
+            tl.program_id(0), tl.program_id(1), queries, keys, values, out, BiasRows, BiasBank, num_heads, seqlen,
             row_stride, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BIAS, MAX_DISTANCE, USE_TMA, WARP_SPECIALIZE,
             GATHER_STAGES)
 
@@ -249,14 +277,29 @@ def scratch_allocator(device):
     return allocate
 
 
-def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_DISTANCE, programs=None):
+def check_bias_bank(bias_bank, bias, heads, block_m, block_n, max_distance):
+    """A clear error unless ``bias_bank`` is t5_bias_bank's bank for this bias, head count and launch config."""
+    if bias_bank is None:
+        raise ValueError(f"bias {bias!r} needs bias_bank (t5_bias_bank of the rows for block_m {block_m}, block_n "
+                         f"{block_n})")
+    expected = (heads, len(bank_diagonals(block_m, block_n, max_distance)), block_m, block_n)
+    if tuple(bias_bank.shape) != expected or bias_bank.dtype != BANK_DTYPES[bias] or not bias_bank.is_contiguous():
+        raise ValueError(f"bias {bias!r} needs a contiguous {BANK_DTYPES[bias]} bank of shape {expected} (the launch "
+                         f"config's tiles), got {bias_bank.dtype} {tuple(bias_bank.shape)}")
+
+
+def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_DISTANCE, programs=None, *,
+                   bias_bank=None):
     """The experimental forward of (batch, length, heads, head_dim) tensors with unit last stride and heads x
     head_dim as the token stride; returns (out, the compiled kernel). ``bias_rows`` is (heads, 2 * max_distance + 3)
-    in log2 units (ignored for no_bias); ``programs`` is the persistent grid's size (default: the SM count)."""
+    in log2 units (ignored for no_bias); ``bias_bank`` is t5_bias_bank's bank for the config's tiles (t5_bank and
+    t5_bank16 only); ``programs`` is the persistent grid's size (default: the SM count)."""
     batch, length, heads, head_dim = q.shape
     block_m, block_n, num_warps, num_stages, *gather_stages = config
     if length % block_m or length % block_n:
         raise ValueError(f"length {length} must be a multiple of block_m {block_m} and block_n {block_n}")
+    if bias in BANK_DTYPES:
+        check_bias_bank(bias_bank, bias, heads, block_m, block_n, max_distance)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.shape != q.shape or tensor.stride() != (length * heads * head_dim, heads * head_dim, head_dim, 1):
             raise ValueError(f"{name} must be a contiguous (batch, length, heads, head_dim) tensor like q "
@@ -276,7 +319,7 @@ def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_D
     else:
         grid = tiles
     compiled = _forward_kernel[grid](
-        *operands, bias_rows, batch * heads, heads, length, batch * length, heads * head_dim, LOG2E,
+        *operands, bias_rows, bias_rows if bias_bank is None else bias_bank, batch * heads, heads, length, batch * length, heads * head_dim, LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BIAS=BIASES[bias], MAX_DISTANCE=max_distance,
         USE_TMA=use_tma, WARP_SPECIALIZE=warp_specialize, PERSISTENT=persistent,
         GATHER_STAGES=gather_stages[0] if gather_stages else None, HOST_DESCRIPTORS=host_descriptors,
@@ -312,6 +355,27 @@ def t5_bias_rows(table, max_distance):
     return (table.float()[buckets].t() * LOG2E).contiguous()
 
 
+def bank_diagonals(block_m, block_n, max_distance):
+    """The diagonal offsets (key_start - start_m) // block_n of the key blocks that t5_far treats as near: a near
+    block ends after rel -(D+1) and starts before D+1, so from -ceil(D / block_n) to ceil((block_m + D) / block_n) - 1
+    (block_m a multiple of block_n: the offset is then a whole number of key blocks)."""
+    if block_m % block_n:
+        raise ValueError(f"the T5 bias bank needs block_m ({block_m}) to be a multiple of block_n ({block_n})")
+    return range(-((max_distance + block_n - 1) // block_n), (block_m + max_distance - 1) // block_n + 1)
+
+
+def t5_bias_bank(bias_rows, block_m, block_n, max_distance, dtype=torch.float32):
+    """(heads, diagonals, block_m, block_n): every near tile's bias, ``bank[h, t, i, j] = row[h, clamp(offset_t + j
+    - i, -(D+1), D+1) + D + 1]`` with offset_t the t-th of bank_diagonals times block_n; a near tile's bias depends
+    only on its head and diagonal offset (fixed length, no query offset), so the kernel reads it whole."""
+    diagonals = bank_diagonals(block_m, block_n, max_distance)
+    offsets = torch.arange(diagonals.start, diagonals.stop, device=bias_rows.device) * block_n
+    relative = (offsets[:, None, None] + torch.arange(block_n, device=bias_rows.device)[None, None, :]
+                - torch.arange(block_m, device=bias_rows.device)[None, :, None])
+    index = relative.clamp(-(max_distance + 1), max_distance + 1) + max_distance + 1
+    return bias_rows[:, index].to(dtype).contiguous()
+
+
 def reference_forward(q, k, v, table, max_distance):
     """softmax(q kᵀ + bias) v in fp32, the bias materialised by FAT5's PyTorch T5 buckets (None: no bias)."""
     from fat5.kernels.position_bias import t5_position_bias
@@ -343,14 +407,18 @@ def check(variant, bias, config, inputs, expected, max_distance, programs=None):
     from fat5.conversion.verify import relative_error
 
     q, k, v, table = inputs
+    bias_rows = t5_bias_rows(table, max_distance)
+    bank = t5_bias_bank(bias_rows, *config[:2], max_distance, BANK_DTYPES[bias]) if bias in BANK_DTYPES else None
     try:
-        out, compiled = hopper_forward(q, k, v, t5_bias_rows(table, max_distance), variant, bias, config,
-                                       max_distance, programs)
+        out, compiled = hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance, programs,
+                                       bias_bank=bank)
     except Exception as error:  # noqa: BLE001 - a route the installed Triton rejects is a result, not a crash
         return {"status": f"unsupported: {type(error).__name__}: {str(error).strip()[:400]}"}
     error = relative_error(out, expected[bias != "no_bias"])
     row = {"rel_error": error, **compiled_facts(compiled)}
-    row["status"] = "ok" if error <= TOLERANCE[q.dtype] else f"failed: relative error {error:.3g}"
+    # a bias stored in bf16 is rounded to bf16 whatever the inputs' dtype: its bound is bf16's
+    tolerance = max(TOLERANCE[q.dtype], TOLERANCE[BANK_DTYPES.get(bias, q.dtype)])
+    row["status"] = "ok" if error <= tolerance else f"failed: relative error {error:.3g}"
     if row["status"] == "ok" and VARIANTS[variant][1] and row.get("ttgir_warp_specialize") is False:
         # Triton 3.9 drops warp_specialize silently at 8 warps and from an unpipelined loop: the kernel without it
         row["status"] = "dropped: no warp-specialized region in the TTGIR, not timed"
@@ -372,7 +440,7 @@ def interpret_check():
             for bias in BIASES:
                 row = check(variant, bias, INTERPRET_CONFIG, inputs, expected, shape["max_distance"],
                             INTERPRET_PROGRAMS)
-                print(f"{dtype!s:14} {variant:14} {bias:8} {row['status']:10} rel_error {row.get('rel_error')}")
+                print(f"{dtype!s:14} {variant:14} {bias:9} {row['status']:10} rel_error {row.get('rel_error')}")
                 if row["status"] != "ok":
                     failures.append((dtype, variant, bias, row["status"]))
     if failures:
@@ -451,6 +519,11 @@ def measure_routes(lengths, inputs_by_length, variants, configs, rows, save):
     expected = {with_bias: reference_forward(q, k, v, table if with_bias else None, MAX_DISTANCE)
                 for with_bias in (False, True)}
     bias_rows = {length: t5_bias_rows(inputs_by_length[length][3], MAX_DISTANCE) for length in lengths}
+
+    @functools.cache
+    def bias_bank(length, bias, block_m, block_n):  # built once per length and tile shape, outside the timings
+        return t5_bias_bank(bias_rows[length], block_m, block_n, MAX_DISTANCE, BANK_DTYPES[bias])
+
     for variant in variants:
         for bias in BIASES:
             for config in configs:
@@ -461,15 +534,16 @@ def measure_routes(lengths, inputs_by_length, variants, configs, rows, save):
                        **check(variant, bias, config, inputs, expected, MAX_DISTANCE), "timings": {}}
                 for length in lengths if row["status"] == "ok" else ():
                     lq, lk, lv, _ = inputs_by_length[length]
+                    bank = bias_bank(length, bias, *config[:2]) if bias in BANK_DTYPES else None
                     ms = triton.testing.do_bench(
                         functools.partial(hopper_forward, lq, lk, lv, bias_rows[length], variant, bias, config,
-                                          MAX_DISTANCE),
+                                          MAX_DISTANCE, bias_bank=bank),
                         warmup=25, rep=100, return_mode="median")
                     row["timings"][str(length)] = {"ms": ms, "tflops": forward_flops(lq.shape[0], length) / ms / 1e9}
                 row["seconds"] = round(time.time() - started, 1)
                 rows.append(row)
                 tflops = {length: round(t["tflops"], 1) for length, t in row["timings"].items()}
-                print(f"{variant:14} {bias:8} {config} {row['status'][:120]} {tflops} ({row['seconds']} s)",
+                print(f"{variant:14} {bias:9} {config} {row['status'][:120]} {tflops} ({row['seconds']} s)",
                       flush=True)
         save()
 
@@ -480,6 +554,23 @@ def bias_rows_ms(table):
 
     return triton.testing.do_bench(functools.partial(t5_bias_rows, table, MAX_DISTANCE), warmup=25, rep=100,
                                    return_mode="median")
+
+
+def bias_bank_costs(table, configs):
+    """{"BLOCK_MxBLOCK_N dtype": ms} and {same: bytes} of building each config's T5 bias bank from the rows (left out
+    of the routes' timings like the rows: a stack would build it once per forward)."""
+    import triton.testing
+
+    rows = t5_bias_rows(table, MAX_DISTANCE)
+    build_ms, size_bytes = {}, {}
+    for block_m, block_n in dict.fromkeys(config[:2] for config in configs):
+        for dtype in dict.fromkeys(BANK_DTYPES.values()):
+            build = functools.partial(t5_bias_bank, rows, block_m, block_n, MAX_DISTANCE, dtype)
+            key = f"{block_m}x{block_n} {str(dtype).removeprefix('torch.')}"
+            build_ms[key] = triton.testing.do_bench(build, warmup=25, rep=100, return_mode="median")
+            bank = build()
+            size_bytes[key] = bank.numel() * bank.element_size()
+    return build_ms, size_bytes
 
 
 def summarise(peers, routes, lengths):
@@ -521,7 +612,8 @@ def plot(document, path):
 
     summary = document["results"]["summary"]
     lengths = document["lengths"]
-    panels = (("no position bias", ("no_bias",)), ("T5 bias (32 buckets, max_distance 128)", ("_t5", "_t5_far")))
+    panels = (("no position bias", ("no_bias",)),
+              ("T5 bias (32 buckets, max_distance 128)", ("_t5", "_t5_far", "_t5_bank", "_t5_bank16")))
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for axis, (title, endings) in zip(axes, panels):
         for line in summary:
@@ -563,6 +655,8 @@ def benchmark(args):
 
     with torch.no_grad():
         results["t5_bias_rows_ms"] = bias_rows_ms(inputs_by_length[args.lengths[0]][3])
+        results["t5_bank_ms"], results["t5_bank_bytes"] = bias_bank_costs(inputs_by_length[args.lengths[0]][3],
+                                                                          args.configs)
         results["peers"] = measure_peers(args.lengths, inputs_by_length)
         save()
         measure_routes(args.lengths, inputs_by_length, args.variants, args.configs, results["routes"], save)
@@ -605,7 +699,8 @@ def main():
     columns.append("note")
     print()
     print(markdown_table(results["summary"], columns))
-    print(f"\nT5 bias rows, built outside the routes' timings: {results['t5_bias_rows_ms']} ms; "
+    print(f"\nT5 bias rows, built outside the routes' timings: {results['t5_bias_rows_ms']} ms; T5 bias banks "
+          f"(built from the rows, outside too): {results['t5_bank_ms']} ms, {results['t5_bank_bytes']} bytes; "
           f"{results['seconds']} s in all")
 
 
