@@ -301,7 +301,7 @@ class StepProfiler:
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
             # with the Python stacks, so that the host operators' table names the line behind each
-            self.profiler = profile(activities=activities, with_stack=True)
+            self.profiler = profile(activities=activities, with_stack=True, record_shapes=True)
             self.profiler.__enter__()
         elif step == self.timed_step + self.steps and self.profiler is not None:
             if self.on_gpu:
@@ -358,8 +358,9 @@ class StepProfiler:
 
 def operator_callers(events, steps: int, count: int = 10) -> dict[str, float]:
     """Milliseconds a step of the operators launched outside the CUDA graphs (whose replays have no Python caller),
-    by operator and the Python lines that called it (innermost first; the profiler records them ``with_stack``):
-    the costliest ``count``. Device time on a GPU, host time on a CPU."""
+    by operator, the shape of its first input (``record_shapes``) and the Python lines that called it (innermost
+    first; ``with_stack``, where the profiler links them): the costliest ``count``. Device time on a GPU, host
+    time on a CPU."""
     totals: dict[str, float] = {}
     for event in events:
         if not event.name.startswith("aten::") or (event.cpu_parent and event.cpu_parent.name.startswith("aten::")):
@@ -369,7 +370,8 @@ def operator_callers(events, steps: int, count: int = 10) -> dict[str, float]:
             if ".py(" in parent.name:
                 frames.append(parent.name)
             parent = parent.cpu_parent
-        key = f"{event.name} <- {' <- '.join(frames)}"
+        shapes = event.input_shapes[0] if event.input_shapes else []
+        key = " <- ".join([f"{event.name} {shapes}", *frames])
         totals[key] = totals.get(key, 0.0) + (event.device_time_total or event.cpu_time_total) / 1e3 / steps
     return {key: round(value, 3) for key, value in sorted(totals.items(), key=lambda item: -item[1])[:count]}
 
