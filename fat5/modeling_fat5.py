@@ -1242,8 +1242,11 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
     segment), optionally with their layout built beforehand (``cu_seqlens``, ``segment_position_ids``,
     ``decoder_cu_seqlens``, ``decoder_segment_position_ids``, as the UL2 collator makes them: then the step reads
     nothing back from the device, see :meth:`TokenLayout.given`), ``num_items_in_batch`` (the Trainer's count of
-    labelled tokens across gradient-accumulation steps: the loss is their sum over it) and ``return_loss_parts`` (the
-    output then holds ``ce_loss`` and ``z_loss`` too, whose sum is ``loss``; FAT5Trainer asks for them to log them).
+    labelled tokens across gradient-accumulation steps: the loss is their sum over it), ``return_loss_parts`` (the
+    output then holds ``ce_loss`` and ``z_loss`` too, whose sum is ``loss``; FAT5Trainer asks for them to log them)
+    and ``return_logits`` (False: the output's ``logits`` is None; FAT5Trainer's training steps ask for that when
+    nothing reads them, because accelerate's mixed precision converts every bf16 output to fp32, the logits
+    included: 2.4 GB written at each step of the pretraining benchmark's small shape).
 
     ``generate`` takes every cache transformers offers. With ``cache_implementation="static"`` the KV cache is
     preallocated and its length stays on the device (the attention kernel reads it there), so transformers compiles
@@ -1283,6 +1286,7 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
         num_items_in_batch=None,
         cache=None,
         return_loss_parts=False,
+        return_logits=True,
         cu_seqlens=None,
         segment_position_ids=None,
         decoder_cu_seqlens=None,
@@ -1312,7 +1316,7 @@ class FAT5ForConditionalGeneration(_FAT5EncoderDecoder, GenerationMixin):
         logits, ce_loss, z_loss = self._logits_and_loss(decoder_outputs.last_hidden_state, labels, num_items_in_batch)
         output = FAT5Seq2SeqLMOutput(
             loss=None if ce_loss is None else ce_loss + z_loss,
-            logits=logits,
+            logits=logits if return_logits else None,
             **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             **_seq2seq_states(encoder_outputs, decoder_outputs),
             ce_loss=ce_loss if return_loss_parts else None,

@@ -26,6 +26,19 @@ def test_logits_and_loss_match_transformers(family):
     assert actual.z_loss.item() == 0.0
 
 
+def test_return_logits_false_leaves_the_logits_out_and_the_loss_as_it_is():
+    hf = make_hf("t5v1.1").train()
+    model = fat5_from_hf(hf, "t5v1.1").train()
+    input_ids, attention_mask, labels = padded_batch()
+    expected = hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_logits=False)
+    assert output.logits is None and "logits" not in output
+    assert abs(output.loss.item() - expected.loss.item()) < 1e-5 * abs(expected.loss.item())
+    output.loss.backward()
+    expected.loss.backward()
+    assert relative_error(model.lm_head.weight.grad, hf.lm_head.weight.grad) < 1e-4
+
+
 def test_autocast_training_matches_transformers_with_projections_fed_in_its_dtype():
     """fp32 weights under bf16 autocast, as the Trainer runs `bf16: true`: the same loss and gradients as transformers'
     T5 and the same output dtypes, while every projection inside the stacks receives bf16 activations as they are

@@ -5,6 +5,7 @@ Each test runs a tiny FAT5 (``make_tiny_model``, tokenizer trained on tests/data
 through both trainers, or through FAT5Trainer and transformers' T5 with the same weights (``export_hf``).
 """
 
+import functools
 import json
 import time
 
@@ -272,6 +273,33 @@ def test_tokens_per_second_leave_out_evaluation_time(tiny_model, tokenizer, exam
     window_tokens = sum(len(example["input_ids"]) + len(example["labels"]) for example in examples[:8])
     after_evaluation = [entry for entry in trainer.state.log_history if entry.get("step") == 4 and "loss" in entry]
     assert after_evaluation[0]["tokens_per_second"] * SlowEvaluation.seconds > window_tokens
+
+
+@pytest.mark.parametrize("custom_loss", [False, True])
+def test_training_steps_leave_out_the_logits_unless_something_reads_them(custom_loss, tiny_model, tokenizer, examples,
+                                                                          tmp_path):
+    """accelerate's mixed precision converts every bf16 output to fp32, the logits included: FAT5Trainer's training
+    steps ask the model for none, unless a custom loss function reads them; the step's update is the same."""
+    model = load(tiny_model)
+    calls = []
+    original_forward = model.forward
+
+    @functools.wraps(original_forward)  # the Trainer reads forward's signature
+    def spied_forward(*args, **kwargs):
+        output = original_forward(*args, **kwargs)
+        calls.append((kwargs.get("return_logits", True), output.logits is None))
+        return output
+
+    model.forward = spied_forward
+    extra = {}
+    if custom_loss:
+        extra["compute_loss_func"] = lambda outputs, labels, num_items_in_batch=None: torch.nn.functional.cross_entropy(
+            outputs.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    trainer = build_trainer(FAT5Trainer, model, tokenizer, tmp_path, examples[:4], **SGD_STEP)
+    if custom_loss:
+        trainer.compute_loss_func = extra["compute_loss_func"]
+    trainer.train()
+    assert calls == [(custom_loss, not custom_loss)]
 
 
 def test_packed_batches_honour_the_dataloader_arguments(tiny_model, tokenizer, tmp_path):

@@ -564,6 +564,9 @@ class FAT5Trainer(Seq2SeqTrainer):
                 self._window_start = time.perf_counter()
             if _takes_loss_parts(model):
                 inputs = {**inputs, "return_loss_parts": True}
+                if not return_outputs and self.compute_loss_func is None and self.label_smoother is None:
+                    # nothing reads this step's logits, which accelerate's mixed precision would copy to fp32
+                    inputs["return_logits"] = False
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             # kept on the device: adding them up here costs no synchronisation, the log reads them once
