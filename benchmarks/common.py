@@ -200,10 +200,12 @@ def kernel_kind(name: str) -> str:
 
 def kernel_ms_by_kind(profiler, steps: int) -> dict[str, float]:
     """GPU milliseconds per step of a finished ``torch.profiler.profile`` of ``steps`` steps, by kind of kernel,
-    most first. Kernels replayed from CUDA graphs count one by one: CUPTI records each kernel of a graph launch."""
+    most first. Kernels replayed from CUDA graphs count one by one: CUPTI records each kernel of a graph launch.
+    The GPU-side ranges of annotations (``record_function``, Inductor's graph calls), which ``record_shapes``
+    brings onto the device's timeline over the kernels they hold, are not kernels."""
     by_kind = {}
     for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             kind = kernel_kind(event.name)
             by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e3 / steps
     return {kind: round(ms, 3) for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])}
