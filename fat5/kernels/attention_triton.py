@@ -29,6 +29,7 @@ try:
         _attention_forward_kernel,
         _backward_preprocess_kernel,
         _split_combine_kernel,
+        _t5_bias_bank_kernel,
         _t5_bias_by_distance_kernel,
         _t5_table_gradient_kernel,
     )
@@ -88,6 +89,9 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
 CONFIG_OVERRIDES: dict = {}
+# The forward's unmasked near T5 tiles read their bias whole from a per-head bank of tiles (``_t5_bias_bank``) instead
+# of gathering it per score, where the bank applies; False gathers everywhere (the tests compare both paths).
+T5_BIAS_BANK = True
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
 # (H100, benchmarks/results/attention_sweep.json).
@@ -196,6 +200,41 @@ def t5_relative_buckets(
 def _t5_bias_by_distance(table, bidirectional, num_buckets, max_distance):
     return t5_relative_buckets(
         -(max_distance + 1), 2 * max_distance + 3, bidirectional, num_buckets, max_distance, table.device, table
+    )
+
+
+def _t5_bank_tiles(block_m: int, block_n: int, max_distance: int) -> tuple[int, int]:
+    """(tiles left of the diagonal, all tiles) of a head's T5 bias bank for the forward's near loop (``_key_ranges``).
+
+    With query offset 0 and ``block_m`` a multiple of ``block_n``, a near key block starts ``t`` whole blocks after
+    its query block's start, fixed-length or varlen alike (tiles start at segment starts). Near blocks end after
+    rel -(D+1) and start before rel block_m + D: t from -ceil(D / block_n) to ceil((block_m + D) / block_n) - 1.
+    """
+    left_tiles = cdiv(max_distance, block_n)
+    return left_tiles, left_tiles + cdiv(block_m + max_distance, block_n)
+
+
+def _t5_bias_bank(bias_rows: torch.Tensor, config: LaunchConfig, max_distance: int) -> tuple[torch.Tensor, int]:
+    """(heads, tiles, block_m, block_n) fp32 bank of every near tile's bias, made on the device from the rows, and
+    its tiles left of the diagonal. 4 * tiles * block_m * block_n bytes a head: 80 KiB at 64 x 64 tiles and D 128."""
+    left_tiles, num_tiles = _t5_bank_tiles(config.block_m, config.block_n, max_distance)
+    num_heads = bias_rows.shape[0]
+    bank = torch.empty(num_heads, num_tiles, config.block_m, config.block_n, dtype=torch.float32,
+                       device=bias_rows.device)
+    _t5_bias_bank_kernel[(num_tiles, num_heads)](
+        bias_rows, bank, bias_rows.stride(0),
+        MAX_DISTANCE=max_distance, LEFT_TILES=left_tiles, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    )
+    return bank, left_tiles
+
+
+def _uses_t5_bias_bank(position: PositionBias, options, config: LaunchConfig, query_offset_tensor) -> bool:
+    """Whether the forward's near loop reads a bias bank: T5, bidirectional attention (a causal forward runs its
+    near tiles in the masked loop, which gathers), query offset the int 0 (the diagonal offsets are then whole
+    blocks and the same for every query block: training, prefill), and query tiles a whole number of key tiles."""
+    return (
+        T5_BIAS_BANK and position.kind == "t5" and not options.causal and options.query_offset == 0
+        and query_offset_tensor is None and config.block_m % config.block_n == 0
     )
 
 
@@ -326,6 +365,9 @@ def _forward(
 
     with device_guard(device):
         bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem, t5_bias_rows)
+        bank, bank_left_tiles = None, 0
+        if _uses_t5_bias_bank(position, options, config, query_offset_tensor):
+            bank, bank_left_tiles = _t5_bias_bank(bias, config, max_distance_arg)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
         if is_split:
             partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
@@ -338,7 +380,7 @@ def _forward(
         grid = (num_m_blocks, problem.batch * problem.num_heads, num_splits)
         _attention_forward_kernel[grid](
             query, key, value, out, lse, partial_acc, partial_max, partial_sum,
-            dummy if padding is None else padding, dummy if bias is None else bias,
+            dummy if padding is None else padding, dummy if bias is None else bias, dummy if bank is None else bank,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
             dummy if query_offset_tensor is None else query_offset_tensor,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
@@ -352,6 +394,7 @@ def _forward(
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
             SAFE_CLEAN=padding is not None or position.kind == "bias",
             OFFSET_IN_MEMORY=query_offset_tensor is not None,
+            BANK_TILES=0 if bank is None else bank.shape[1], BANK_LEFT_TILES=bank_left_tiles,
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
         if is_split:

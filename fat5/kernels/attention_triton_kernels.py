@@ -55,6 +55,7 @@ def _jit_for_varying_shapes(kernel):
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
+BIAS_TILE = tl.constexpr(2)  # near T5 tiles of the forward's unmasked loop: read whole from the bias bank
 # The forward's loops over near T5 tiles are not software-pipelined: the pipeliner would stage the gathered bias
 # tile through shared memory with the keys and values and keep its pointers live across stages, and the registers
 # this takes (248 instead of 128 per thread, H100) halve the programs per SM for the far tiles as well. The backward
@@ -141,6 +142,30 @@ def _t5_bias_by_distance_kernel(
     if WRITE_BIAS:
         value = tl.load(Table + bucket * stride_table_bucket + head * stride_table_head, mask=in_range, other=0.0)
         tl.store(BiasByDistance + head * num_positions + offsets, value.to(tl.float32) * LOG2E, mask=in_range)
+
+
+@_jit_for_varying_shapes
+def _t5_bias_bank_kernel(
+    BiasByDistance,
+    Bank,
+    stride_bias_head,
+    MAX_DISTANCE: tl.constexpr,
+    LEFT_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Tile ``t`` of one head's bias bank: ``bank[h, t, i, j] = row[h, clamp((t - LEFT_TILES) * BLOCK_N + j - i,
+    -(D+1), D+1) + D + 1]``, the bias of every near tile whose key block starts ``t - LEFT_TILES`` blocks after
+    its query block (the gather's values, copied: the bank path's scores are bitwise the gather's)."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    relative = (tile - LEFT_TILES) * BLOCK_N + offs_n[None, :] - offs_m[:, None]
+    clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
+    value = tl.load(BiasByDistance + head * stride_bias_head + clamped + MAX_DISTANCE + 1)
+    tile_base = Bank + (head * tl.num_programs(0) + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    tl.store(tile_base + offs_m[:, None] * BLOCK_N + offs_n[None, :], value)
 
 
 @_jit_for_varying_shapes
@@ -236,6 +261,7 @@ def _forward_inner(
     bias_scalar,
     block_start,
     block_end,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
@@ -247,6 +273,8 @@ def _forward_inner(
     SAFE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    """The online softmax over key blocks [block_start, block_end). ``BIAS_TILE``: ``bias_base`` is the bank tile
+    of key block 0 (that of block b is b tiles further)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if POSITION == POSITION_T5 and BIAS_MODE == BIAS_PER_SCORE:
@@ -260,10 +288,14 @@ def _forward_inner(
         else:
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        scores = _score_bias(
-            scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
-        )
+        if BIAS_MODE == BIAS_TILE:  # a contiguous, aligned tile: vector loads, no clamp, no data-dependent index
+            tile = bias_base + block * (BLOCK_M * BLOCK_N)
+            scores = scores + tl.load(tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_n[None, :])
+        else:
+            scores = _score_bias(
+                scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+                bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
+            )
         if APPLY_MASK:
             visible = keys[None, :] < seqlen_k
             if CAUSAL:
@@ -344,7 +376,7 @@ def _key_ranges(
 @_jit_for_varying_shapes
 def _attention_forward_kernel(
     Q, K, V, Out, Lse, PartialAcc, PartialMax, PartialSum,
-    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK, QueryOffset,
+    KeyPaddingMask, Bias, BiasBank, CuSeqlensQ, CuSeqlensK, QueryOffset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -364,8 +396,13 @@ def _attention_forward_kernel(
     IS_SPLIT: tl.constexpr,
     SAFE_CLEAN: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr,
+    BANK_TILES: tl.constexpr,
+    BANK_LEFT_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
+    """One query block's output and lse. ``BANK_TILES`` > 0 (T5, query offset 0, BLOCK_M a multiple of BLOCK_N):
+    ``BiasBank`` holds each head's bias tiles (``_t5_bias_bank_kernel``) for key blocks -BANK_LEFT_TILES ..
+    BANK_TILES - BANK_LEFT_TILES - 1 blocks after the query block's start, which the unmasked near loop reads."""
     if OFFSET_IN_MEMORY:  # decoding with a static cache: the position advances between replays of one CUDA graph
         query_offset = tl.load(QueryOffset).to(tl.int32)
     pid_m = tl.program_id(0)
@@ -415,23 +452,29 @@ def _attention_forward_kernel(
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
-            block_lo, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+            block_lo, far_left_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
         if CAUSAL:  # nothing lies far to the right: the near blocks run in the masked loop (one pipeline fill less)
             masked_start = far_left_end
         else:
+            if BANK_TILES > 0:  # the tile key block 0 would read (block b reads the b-th after it)
+                near_mode: tl.constexpr = BIAS_TILE
+                near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_m // BLOCK_N) * (BLOCK_M * BLOCK_N)
+            else:
+                near_mode: tl.constexpr = BIAS_PER_SCORE
+                near_base = bias_base
             acc, row_sum, row_max = _forward_inner(
-                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, near_base,
                 stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-                far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+                far_left_end, far_right_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, near_mode, MAX_DISTANCE,
                 False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
             )
             acc, row_sum, row_max = _forward_inner(
                 acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
                 stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
                 tl.load(bias_base + 2 * MAX_DISTANCE + 2),
-                far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+                far_right_start, clean_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
                 False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
             )
             masked_start = clean_end
@@ -439,14 +482,14 @@ def _attention_forward_kernel(
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            block_lo, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+            block_lo, clean_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
         masked_start = clean_end
     acc, row_sum, row_max = _forward_inner(
         acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
         stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-        masked_start, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+        masked_start, block_hi, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
         True, CAUSAL, HAS_PADDING, True, INPUT_PRECISION,
     )
 
