@@ -89,8 +89,9 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
 CONFIG_OVERRIDES: dict = {}
-# The forward's unmasked near T5 tiles read their bias whole from a per-head bank of tiles (``_t5_bias_bank``) instead
-# of gathering it per score, where the bank applies; False gathers everywhere (the tests compare both paths).
+# The kernels' unmasked near T5 tiles read their bias whole from a per-head bank of tiles (``_t5_bias_bank``) instead
+# of gathering it per score, where a bank applies (``_uses_t5_bias_bank``); False gathers everywhere (the tests
+# compare both paths, which give bitwise the same results; a benchmark sets it to time the gather).
 T5_BIAS_BANK = True
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass

@@ -12,11 +12,17 @@ Conventions shared by every kernel here:
   max_distance) and gathers the table into a per-head row ``bias_by_distance[h, rel + D + 1]`` (log2 units).
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
-  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
-  by the dk/dv kernel); a near tile's score gradient is summed along its diagonals (equal ``rel``) by the same
-  kernel, the tile skewed in shared memory by ``tl.gather``, into that program's own fp32 row of sums per relative
-  position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
-  buckets afterwards.
+  from the row (it stays in L1), except where a bank applies: with query offset 0 and the row tiles a whole number
+  of column tiles, a near tile's bias depends only on its head and on how many column blocks its column block starts
+  after its row block, a handful of offsets (``_t5_bank_tiles`` in attention_triton.py). ``_t5_bias_bank_kernel``
+  copies each offset's tile from the row into a small fp32 per-head bank (transposed for the dk/dv kernel), and the
+  unmasked near loops of every kernel (the causal ones up to the diagonal) load their tile whole from it: one
+  contiguous, aligned load instead of a clamped, data-dependent gather per score, with the same values, so the
+  results are bitwise those of the gather; masked tiles and decoding (query offset not 0) gather.
+  In the backward, a far tile's share of the table gradient is one tile sum (taken by the dk/dv kernel); a near
+  tile's score gradient is summed along its diagonals (equal ``rel``) by the same kernel, the tile skewed in shared
+  memory by ``tl.gather``, into that program's own fp32 row of sums per relative position: no atomics,
+  deterministic. The rows are reduced in a fixed order and mapped to buckets afterwards.
 * dq: fp32 atomics from the dk/dv kernel (as FlashAttention-2) for head_dim <= 64, else (and under
   ``torch.use_deterministic_algorithms``) its own kernel.
 * Each program splits its loop over the other axis into ranges with compile-time behaviour: tiles that need no
@@ -55,7 +61,7 @@ def _jit_for_varying_shapes(kernel):
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
-BIAS_TILE = tl.constexpr(2)  # near T5 tiles of the forward's unmasked loop: read whole from the bias bank
+BIAS_TILE = tl.constexpr(2)  # unmasked near T5 tiles with a bias bank: each read whole (its loop is pipelined)
 # The forward's loops over near T5 tiles are not software-pipelined: the pipeliner would stage the gathered bias
 # tile through shared memory with the keys and values and keep its pointers live across stages, and the registers
 # this takes (248 instead of 128 per thread, H100) halve the programs per SM for the far tiles as well. The backward
