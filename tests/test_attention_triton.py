@@ -336,14 +336,26 @@ def _forward_lse_and_gradients(query, key, value, table, grad_out, varlen, **opt
 
 
 @pytest.mark.parametrize(
-    "layout, causal, deterministic_algorithms, dtype",  # deterministic algorithms: dq by its own kernel
-    [(layout, causal, deterministic, torch.float32) for layout in ("dense", "varlen") for causal in (False, True)
-     for deterministic in (False, True)] + [("dense", causal, False, torch.float16) for causal in (False, True)],
+    "layout, causal, deterministic_algorithms, dtype, wide_tiles",  # deterministic algorithms: dq by its own kernel
+    [(layout, causal, deterministic, torch.float32, False) for layout in ("dense", "varlen") for causal in (False, True)
+     for deterministic in (False, True)]
+    + [("dense", causal, False, torch.float16, False) for causal in (False, True)]
+    + [(layout, causal, True, torch.float32, True) for layout in ("dense", "varlen") for causal in (False, True)],
 )
-def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, causal, deterministic_algorithms, dtype):
+def test_t5_bias_bank_matches_the_gather_bit_for_bit(
+    monkeypatch, layout, causal, deterministic_algorithms, dtype, wide_tiles
+):
     """The near tiles' bias read whole from the bank gives every output, lse and gradient of the per-score gather
     exactly, with far tiles on both sides of the near ones (max_distance 12, 16 x 16 tiles), partial blocks and
-    varlen segments of odd lengths; the bank kernel must have run for the forward and for the backward."""
+    varlen segments of odd lengths; the bank kernel must have run for the forward and for the backward.
+    ``wide_tiles``: row tiles twice the column tiles (as the GPU's head-dim-128 dk/dv and dq kernels)."""
+    if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
+        rows, columns, warps = (32, 16, 1) if DEVICE == "cpu" else (64, 32, 4)
+        for kind in ("forward", "dq"):
+            monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, kind, attention_triton.LaunchConfig(
+                rows, columns, warps, 1))
+        monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
+            columns, rows, warps, 1))
     torch.manual_seed(9)
     heads, head_dim = 2, 16
     if layout == "varlen":
@@ -371,7 +383,11 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, causal
     assert len(spy.grids) == (4 if deterministic_algorithms else 3)
     names = ("out", "lse", "dq", "dk", "dv", "table gradient")
     for name, with_bank, gathered in zip(names, results[True], results[False]):
-        assert torch.equal(with_bank, gathered), name
+        if name == "dq" and DEVICE == "cuda" and not deterministic_algorithms:
+            # the dk/dv kernel adds dq by atomics, in an order that varies from run to run on a GPU
+            torch.testing.assert_close(with_bank, gathered)
+        else:
+            assert torch.equal(with_bank, gathered), name
 
 
 def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():
