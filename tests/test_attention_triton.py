@@ -316,6 +316,96 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     assert spy.grids and spy.grids[0][0] == batch * heads
 
 
+def _forward_lse_and_gradients(query, key, value, table, grad_out, varlen, **options):
+    """(out, lse, dq, dk, dv, table gradient) of one T5 call: out and lse from the forward op, the gradients by
+    autograd through the public entry point."""
+    if varlen:
+        cu_seqlens, max_length = varlen
+        problem = (cu_seqlens, cu_seqlens, max_length, max_length)
+        out = fat5_attention_varlen(query, key, value, *problem, position_encoding="t5", table=table, **options)
+    else:
+        problem = (None, None, query.shape[2], key.shape[2])
+        out = fat5_attention(query, key, value, position_encoding="t5", table=table, **options)
+    bias = PositionBias.t5(table, bidirectional=options["bidirectional"], max_distance=options["max_distance"])
+    call = attention_triton._CallOptions.of(bias, *problem[2:], 1.0, options["causal"], 0)
+    forward_out, lse = attention_triton.attention_forward_op(
+        query.detach(), key.detach(), value.detach(), None, table.detach(), *problem[:2], *call.flat(), None
+    )
+    assert torch.equal(forward_out, out.detach())
+    return (out.detach(), lse, *torch.autograd.grad(out, (query, key, value, table), grad_out))
+
+
+@pytest.mark.parametrize(
+    "layout, causal, deterministic_algorithms, dtype, wide_tiles",  # deterministic algorithms: dq by its own kernel
+    [(layout, causal, deterministic, torch.float32, False) for layout in ("dense", "varlen") for causal in (False, True)
+     for deterministic in (False, True)]
+    + [("dense", causal, False, torch.float16, False) for causal in (False, True)]
+    + [(layout, causal, True, torch.float32, True) for layout in ("dense", "varlen") for causal in (False, True)],
+)
+def test_t5_bias_bank_matches_the_gather_bit_for_bit(
+    monkeypatch, layout, causal, deterministic_algorithms, dtype, wide_tiles
+):
+    """The near tiles' bias read whole from the bank gives every output, lse and gradient of the per-score gather
+    exactly, with far tiles on both sides of the near ones (max_distance 12, 16 x 16 tiles), partial blocks and
+    varlen segments of odd lengths; the bank kernel must have run for the forward and for the backward.
+    ``wide_tiles``: row tiles twice the column tiles (as the GPU's head-dim-128 dk/dv and dq kernels)."""
+    if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
+        rows, columns, warps = (32, 16, 1) if DEVICE == "cpu" else (64, 32, 4)
+        for kind in ("forward", "dq"):
+            monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, kind, attention_triton.LaunchConfig(
+                rows, columns, warps, 1))
+        monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
+            columns, rows, warps, 1))
+    torch.manual_seed(9)
+    heads, head_dim = 2, 16
+    if layout == "varlen":
+        lengths = [37, 70, 5, 53]
+        varlen = (torch.tensor([0, *torch.tensor(lengths).cumsum(0)], dtype=torch.int32, device=DEVICE), max(lengths))
+        query, key, value = (make_leaf(sum(lengths), heads, head_dim, dtype=dtype) for _ in range(3))
+    else:
+        varlen = None
+        query = make_leaf(2, heads, 64, head_dim, dtype=dtype)
+        key, value = make_leaf(2, heads, 75, head_dim, dtype=dtype), make_leaf(2, heads, 75, head_dim, dtype=dtype)
+    table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
+    grad_out = torch.randn_like(query)
+    options = {"causal": causal, "bidirectional": not causal, "max_distance": 12}
+    spy = _Spy(attention_triton._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    results = {}
+    torch.use_deterministic_algorithms(deterministic_algorithms)
+    try:
+        for bank in (True, False):
+            monkeypatch.setattr(attention_triton, "T5_BIAS_BANK", bank)
+            results[bank] = _forward_lse_and_gradients(query, key, value, table, grad_out, varlen, **options)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # the bank path's two forwards, its dk/dv kernel, and its dq kernel under deterministic algorithms
+    assert len(spy.grids) == (4 if deterministic_algorithms else 3)
+    names = ("out", "lse", "dq", "dk", "dv", "table gradient")
+    for name, with_bank, gathered in zip(names, results[True], results[False]):
+        if name == "dq" and DEVICE == "cuda" and not deterministic_algorithms:
+            # the dk/dv kernel adds dq by atomics, in an order that varies from run to run on a GPU
+            torch.testing.assert_close(with_bank, gathered)
+        else:
+            assert torch.equal(with_bank, gathered), name
+
+
+def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():
+    """Each bank tile against T5's bias written out per score: (queries, keys) tiles, and the dk/dv kernel's
+    transposed (keys, queries) ones, for every diagonal offset of the near loop."""
+    rows = torch.randn(3, 2 * 12 + 3, device=DEVICE)
+    for tile_rows, tile_columns, transposed in ((32, 16, False), (16, 16, False), (32, 16, True)):
+        bank, left_tiles = attention_triton._t5_bias_bank(rows, tile_rows, tile_columns, 12, transposed)
+        assert left_tiles == 1  # ceil(12 / 16): the near blocks start at most one block before the row block
+        assert bank.shape == (3, 1 + math.ceil((tile_rows + 12) / tile_columns), tile_rows, tile_columns)
+        for tile in range(bank.shape[1]):
+            for i in range(tile_rows):
+                for j in range(tile_columns):
+                    offset = (tile - left_tiles) * tile_columns
+                    relative = i - j - offset if transposed else offset + j - i
+                    assert torch.equal(bank[:, tile, i, j], rows[:, min(max(relative, -13), 13) + 13])
+
+
 def test_rows_without_visible_keys_give_zeros():
     torch.manual_seed(4)
     query, key, value = make_leaf(2, 2, 20, 16), make_leaf(2, 2, 25, 16), make_leaf(2, 2, 25, 16)
