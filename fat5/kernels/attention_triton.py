@@ -29,7 +29,6 @@ try:
         _attention_forward_kernel,
         _backward_preprocess_kernel,
         _split_combine_kernel,
-        _t5_bias_bank_kernel,
         _t5_bias_by_distance_kernel,
         _t5_table_gradient_kernel,
     )
@@ -89,10 +88,6 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
 CONFIG_OVERRIDES: dict = {}
-# The kernels' unmasked near T5 tiles read their bias whole from a per-head bank of tiles (``_t5_bias_bank``) instead
-# of gathering it per score, where a bank applies (``_uses_t5_bias_bank``); False gathers everywhere (the tests
-# compare both paths, which give bitwise the same results; a benchmark sets it to time the gather).
-T5_BIAS_BANK = True
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
 # (H100, benchmarks/results/attention_sweep.json).
@@ -202,48 +197,6 @@ def _t5_bias_by_distance(table, bidirectional, num_buckets, max_distance):
     return t5_relative_buckets(
         -(max_distance + 1), 2 * max_distance + 3, bidirectional, num_buckets, max_distance, table.device, table
     )
-
-
-def _t5_bank_tiles(rows: int, columns: int, max_distance: int) -> tuple[int, int]:
-    """(tiles left of the diagonal, all tiles) of a head's T5 bias bank of (rows, columns) tiles.
-
-    A kernel's near loop (``_key_ranges``; ``_query_ranges`` for the dk/dv kernel, whose rows are keys) visits the
-    column blocks that end after rel -(D+1) and start before rel rows + D from its row block's start. With query
-    offset 0 and ``rows`` a multiple of ``columns``, each starts ``t`` whole column blocks after the row block's
-    start, fixed-length or varlen alike (tiles start at segment starts): t from -ceil(D / columns) to
-    ceil((rows + D) / columns) - 1.
-    """
-    left_tiles = cdiv(max_distance, columns)
-    return left_tiles, left_tiles + cdiv(rows + max_distance, columns)
-
-
-def _t5_bias_bank(
-    bias_rows: torch.Tensor, rows: int, columns: int, max_distance: int, transposed: bool = False
-) -> tuple[torch.Tensor, int]:
-    """(heads, tiles, rows, columns) fp32 bank of every near tile's bias (``_t5_bias_bank_kernel``; transposed:
-    the dk/dv kernel's (keys, queries) tiles), made on the device from the rows, and its tiles left of the diagonal.
-    4 * tiles * rows * columns bytes a head: 80 KiB at 64 x 64 tiles and D 128 (5 tiles)."""
-    left_tiles, num_tiles = _t5_bank_tiles(rows, columns, max_distance)
-    num_heads = bias_rows.shape[0]
-    bank = torch.empty(num_heads, num_tiles, rows, columns, dtype=torch.float32, device=bias_rows.device)
-    _t5_bias_bank_kernel[(num_tiles, num_heads)](
-        bias_rows, bank, bias_rows.stride(0),
-        MAX_DISTANCE=max_distance, LEFT_TILES=left_tiles, ROWS=rows, COLUMNS=columns, TRANSPOSED=transposed,
-    )
-    return bank, left_tiles
-
-
-def _uses_t5_bias_bank(position: PositionBias, query_offset: int, rows: int, columns: int) -> bool:
-    """Whether a kernel's unmasked near T5 tiles read a bias bank: query offset the int 0 (training, prefill; the
-    diagonal offsets are then whole column blocks, the same for every row block), and (rows, columns) tiles with
-    ``rows`` a multiple of ``columns``. Decoding with a cache, and the masked tiles, gather."""
-    return T5_BIAS_BANK and position.kind == "t5" and query_offset == 0 and rows % columns == 0
-
-
-def _bank_arguments(bank: tuple[torch.Tensor | None, int]) -> dict:
-    """(bank or None, left tiles) -> the kernels' BANK_TILES and BANK_LEFT_TILES (0, 0: no bank, gather)."""
-    tensor, left_tiles = bank
-    return {"BANK_TILES": 0 if tensor is None else tensor.shape[1], "BANK_LEFT_TILES": left_tiles}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,11 +326,6 @@ def _forward(
 
     with device_guard(device):
         bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem, t5_bias_rows)
-        bank = (None, 0)
-        if query_offset_tensor is None and _uses_t5_bias_bank(
-            position, options.query_offset, config.block_m, config.block_n
-        ):
-            bank = _t5_bias_bank(bias, config.block_m, config.block_n, max_distance_arg)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
         if is_split:
             partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
@@ -391,7 +339,6 @@ def _forward(
         _attention_forward_kernel[grid](
             query, key, value, out, lse, partial_acc, partial_max, partial_sum,
             dummy if padding is None else padding, dummy if bias is None else bias,
-            dummy if bank[0] is None else bank[0],
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
             dummy if query_offset_tensor is None else query_offset_tensor,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
@@ -405,7 +352,6 @@ def _forward(
             HAS_PADDING=padding is not None, IS_VARLEN=problem.is_varlen, IS_SPLIT=is_split,
             SAFE_CLEAN=padding is not None or position.kind == "bias",
             OFFSET_IN_MEMORY=query_offset_tensor is not None,
-            **_bank_arguments(bank),
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
         if is_split:
@@ -492,14 +438,8 @@ def _backward(
         # in the query's memory layout (the model's are transposed views): the copy into dq then runs contiguous,
         # where a (batch, heads, length, dim) buffer made it a strided transpose (1.5 ms of a 91 ms step, H100)
         dq_accumulator = torch.zeros_like(query, dtype=torch.float32) if fused_dq else dummy
-        dkdv_bank = dq_bank = (None, 0)
-        if _uses_t5_bias_bank(position, options.query_offset, dkdv_config.block_n, dkdv_config.block_m):
-            dkdv_bank = _t5_bias_bank(bias, dkdv_config.block_n, dkdv_config.block_m, max_distance_arg, True)
-        if not fused_dq and _uses_t5_bias_bank(position, options.query_offset, dq_config.block_m, dq_config.block_n):
-            dq_bank = _t5_bias_bank(bias, dq_config.block_m, dq_config.block_n, max_distance_arg)
         _attention_backward_dkdv_kernel[grid](
             query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
-            dummy if dkdv_bank[0] is None else dkdv_bank[0],
             dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
@@ -510,15 +450,14 @@ def _backward(
             *((0, 0, 0, 0) if dbias is None else dbias.stride()),
             *shape_arguments, scale,
             BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position.kind],
-            EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq, **_bank_arguments(dkdv_bank),
+            EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
             **common, **_launch_kwargs(dkdv_config, device),
         )
         if fused_dq:
             dq.copy_(dq_accumulator)
         else:
             _attention_backward_dq_kernel[(cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
-                query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer,
-                dummy if dq_bank[0] is None else dq_bank[0], *cu_pointers,
+                query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
                 *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
                 *_token_strides(grad_out, problem), *_token_strides(dq, problem),
                 *_row_stats_strides(lse, problem),
@@ -526,7 +465,7 @@ def _backward(
                 *bias_strides,
                 *shape_arguments, scale,
                 BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=_POSITION_CODES[position.kind],
-                **_bank_arguments(dq_bank), **common, **_launch_kwargs(dq_config, device),
+                **common, **_launch_kwargs(dq_config, device),
             )
     position_gradient = query.new_empty(0)
     if table_grad:

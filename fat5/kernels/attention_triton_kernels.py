@@ -12,17 +12,11 @@ Conventions shared by every kernel here:
   max_distance) and gathers the table into a per-head row ``bias_by_distance[h, rel + D + 1]`` (log2 units).
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
-  from the row (it stays in L1), except where a bank applies: with query offset 0 and the row tiles a whole number
-  of column tiles, a near tile's bias depends only on its head and on how many column blocks its column block starts
-  after its row block, a handful of offsets (``_t5_bank_tiles`` in attention_triton.py). ``_t5_bias_bank_kernel``
-  copies each offset's tile from the row into a small fp32 per-head bank (transposed for the dk/dv kernel), and the
-  unmasked near loops of every kernel (the causal ones up to the diagonal) load their tile whole from it: one
-  contiguous, aligned load instead of a clamped, data-dependent gather per score, with the same values, so the
-  results are bitwise those of the gather; masked tiles and decoding (query offset not 0) gather.
-  In the backward, a far tile's share of the table gradient is one tile sum (taken by the dk/dv kernel); a near
-  tile's score gradient is summed along its diagonals (equal ``rel``) by the same kernel, the tile skewed in shared
-  memory by ``tl.gather``, into that program's own fp32 row of sums per relative position: no atomics,
-  deterministic. The rows are reduced in a fixed order and mapped to buckets afterwards.
+  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
+  by the dk/dv kernel); a near tile's score gradient is summed along its diagonals (equal ``rel``) by the same
+  kernel, the tile skewed in shared memory by ``tl.gather``, into that program's own fp32 row of sums per relative
+  position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
+  buckets afterwards.
 * dq: fp32 atomics from the dk/dv kernel (as FlashAttention-2) for head_dim <= 64, else (and under
   ``torch.use_deterministic_algorithms``) its own kernel.
 * Each program splits its loop over the other axis into ranges with compile-time behaviour: tiles that need no
@@ -61,7 +55,6 @@ def _jit_for_varying_shapes(kernel):
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
-BIAS_TILE = tl.constexpr(2)  # unmasked near T5 tiles with a bias bank: each read whole (its loop is pipelined)
 # The forward's loops over near T5 tiles are not software-pipelined: the pipeliner would stage the gathered bias
 # tile through shared memory with the keys and values and keep its pointers live across stages, and the registers
 # this takes (248 instead of 128 per thread, H100) halve the programs per SM for the far tiles as well. The backward
@@ -148,34 +141,6 @@ def _t5_bias_by_distance_kernel(
     if WRITE_BIAS:
         value = tl.load(Table + bucket * stride_table_bucket + head * stride_table_head, mask=in_range, other=0.0)
         tl.store(BiasByDistance + head * num_positions + offsets, value.to(tl.float32) * LOG2E, mask=in_range)
-
-
-@_jit_for_varying_shapes
-def _t5_bias_bank_kernel(
-    BiasByDistance,
-    Bank,
-    stride_bias_head,
-    MAX_DISTANCE: tl.constexpr,
-    LEFT_TILES: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-):
-    """Tile ``t`` of one head's bias bank: the bias of every near (ROWS, COLUMNS) tile whose column block starts
-    ``c = (t - LEFT_TILES) * COLUMNS`` after its row block, copied from the row (the gather's values: the bank
-    path's scores are bitwise the gather's). (queries, keys) tiles: ``bank[h, t, i, j] = row[h, clamp(c + j - i,
-    -(D+1), D+1) + D + 1]``; ``TRANSPOSED`` (keys, queries) tiles of the dk/dv kernel: ``clamp(i - j - c, ...)``."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_row = tl.arange(0, ROWS)
-    offs_column = tl.arange(0, COLUMNS)
-    relative = (tile - LEFT_TILES) * COLUMNS + offs_column[None, :] - offs_row[:, None]
-    if TRANSPOSED:
-        relative = -relative
-    clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
-    value = tl.load(BiasByDistance + head * stride_bias_head + clamped + MAX_DISTANCE + 1)
-    tile_base = Bank + (head * tl.num_programs(0) + tile).to(tl.int64) * (ROWS * COLUMNS)
-    tl.store(tile_base + offs_row[:, None] * COLUMNS + offs_column[None, :], value)
 
 
 @_jit_for_varying_shapes
@@ -271,7 +236,6 @@ def _forward_inner(
     bias_scalar,
     block_start,
     block_end,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
@@ -283,8 +247,6 @@ def _forward_inner(
     SAFE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """The online softmax over key blocks [block_start, block_end). ``BIAS_TILE``: ``bias_base`` is the bank tile
-    of key block 0 (that of block b is b tiles further)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if POSITION == POSITION_T5 and BIAS_MODE == BIAS_PER_SCORE:
@@ -298,14 +260,10 @@ def _forward_inner(
         else:
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if BIAS_MODE == BIAS_TILE:  # a contiguous, aligned tile: vector loads, no clamp, no data-dependent index
-            tile = bias_base + block * (BLOCK_M * BLOCK_N)
-            scores = scores + tl.load(tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_n[None, :])
-        else:
-            scores = _score_bias(
-                scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-                bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
-            )
+        scores = _score_bias(
+            scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
+        )
         if APPLY_MASK:
             visible = keys[None, :] < seqlen_k
             if CAUSAL:
@@ -386,7 +344,7 @@ def _key_ranges(
 @_jit_for_varying_shapes
 def _attention_forward_kernel(
     Q, K, V, Out, Lse, PartialAcc, PartialMax, PartialSum,
-    KeyPaddingMask, Bias, BiasBank, CuSeqlensQ, CuSeqlensK, QueryOffset,
+    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK, QueryOffset,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -406,13 +364,8 @@ def _attention_forward_kernel(
     IS_SPLIT: tl.constexpr,
     SAFE_CLEAN: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr,
-    BANK_TILES: tl.constexpr,
-    BANK_LEFT_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """One query block's output and lse. ``BANK_TILES`` > 0 (T5, query offset 0, BLOCK_M a multiple of BLOCK_N):
-    ``BiasBank`` holds each head's bias tiles (``_t5_bias_bank_kernel``) for key blocks -BANK_LEFT_TILES ..
-    BANK_TILES - BANK_LEFT_TILES - 1 blocks after the query block's start, which the unmasked near loop reads."""
     if OFFSET_IN_MEMORY:  # decoding with a static cache: the position advances between replays of one CUDA graph
         query_offset = tl.load(QueryOffset).to(tl.int32)
     pid_m = tl.program_id(0)
@@ -462,48 +415,38 @@ def _attention_forward_kernel(
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
-            block_lo, far_left_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+            block_lo, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
-        if BANK_TILES > 0:  # the tile key block 0 would read (block b reads the b-th after it)
-            near_mode: tl.constexpr = BIAS_TILE
-            near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_m // BLOCK_N) * (BLOCK_M * BLOCK_N)
-        else:
-            near_mode: tl.constexpr = BIAS_PER_SCORE
-            near_base = bias_base
-        near_end = far_right_start
-        if CAUSAL:  # nothing lies far to the right; the unmasked near blocks end at the diagonal
-            near_end = clean_end
-        masked_start = clean_end
-        if CAUSAL and BANK_TILES == 0:  # the gathered near blocks run in the masked loop (one pipeline fill less)
+        if CAUSAL:  # nothing lies far to the right: the near blocks run in the masked loop (one pipeline fill less)
             masked_start = far_left_end
         else:
             acc, row_sum, row_max = _forward_inner(
-                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, near_base,
+                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
                 stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-                far_left_end, near_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, near_mode, MAX_DISTANCE,
+                far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
                 False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
             )
-            if not CAUSAL:
-                acc, row_sum, row_max = _forward_inner(
-                    acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-                    stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
-                    tl.load(bias_base + 2 * MAX_DISTANCE + 2),
-                    far_right_start, clean_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
-                    False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
-                )
+            acc, row_sum, row_max = _forward_inner(
+                acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+                tl.load(bias_base + 2 * MAX_DISTANCE + 2),
+                far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE,
+                False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
+            )
+            masked_start = clean_end
     else:
         acc, row_sum, row_max = _forward_inner(
             acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            block_lo, clean_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+            block_lo, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
             False, CAUSAL, HAS_PADDING, SAFE_CLEAN, INPUT_PRECISION,
         )
         masked_start = clean_end
     acc, row_sum, row_max = _forward_inner(
         acc, row_sum, row_max, q, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
         stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-        masked_start, block_hi, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
+        masked_start, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE,
         True, CAUSAL, HAS_PADDING, True, INPUT_PRECISION,
     )
 
@@ -635,7 +578,6 @@ def _backward_tile_ds(
     k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
     bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
     BIAS_MODE: tl.constexpr,
@@ -647,8 +589,7 @@ def _backward_tile_ds(
     INPUT_PRECISION: tl.constexpr,
 ):
     """For query block ``block`` against this program's keys: (q, do, p^T, ds^T), the (keys, queries) tiles of the
-    probabilities and of the score gradient. ``EVEN_M``: every query block is full, the row loads need no mask.
-    ``BIAS_TILE``: ``bias_base`` is the transposed bank tile of query block 0 (that of block b is b tiles further)."""
+    probabilities and of the score gradient. ``EVEN_M``: every query block is full, the row loads need no mask."""
     offs_d = tl.arange(0, HEAD_DIM)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     query_positions = rows + query_offset
@@ -661,14 +602,10 @@ def _backward_tile_ds(
         # rows past the end get lse = +inf: their probabilities are 0 without a score mask
         lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-    if BIAS_MODE == BIAS_TILE:
-        tile = bias_base + block * (BLOCK_M * BLOCK_N)
-        scores_t = scores_t + tl.load(tile + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-    else:
-        scores_t = _score_bias(
-            scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
-        )
+    scores_t = _score_bias(
+        scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+        bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
+    )
     if APPLY_MASK:
         visible = keys[:, None] < seqlen_k
         if CAUSAL:
@@ -753,7 +690,7 @@ def _backward_dkdv_inner(
         q, do, p_t, ds_t = _backward_tile_ds(
             k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
             bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
-            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
+            BLOCK_M, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
             INPUT_PRECISION,
         )
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -818,7 +755,7 @@ def _key_block_setup(
 @_jit_for_varying_shapes
 def _attention_backward_dkdv_kernel(
     Q, K, V, GradOut, Lse, Delta, DK, DV, DQAccumulator,
-    KeyPaddingMask, Bias, BiasBank, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
+    KeyPaddingMask, Bias, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -843,14 +780,10 @@ def _attention_backward_dkdv_kernel(
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
-    BANK_TILES: tl.constexpr,
-    BANK_LEFT_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """dk and dv of one key block, looping over the query blocks. For T5 it also sums the table gradient into this
-    block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot.
-    ``BANK_TILES`` > 0: the unmasked near tiles read their bias from ``BiasBank``'s transposed tiles, query block
-    ``t - BANK_LEFT_TILES`` blocks (of BLOCK_M) after the key block's start reading tile ``t``."""
+    block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar = (
@@ -880,16 +813,13 @@ def _attention_backward_dkdv_kernel(
     far_left, far_right = tl.zeros([], dtype=tl.float32), tl.zeros([], dtype=tl.float32)
     near_left, near_right = tl.zeros([], dtype=tl.float32), tl.zeros([], dtype=tl.float32)
     unused = tl.zeros([], dtype=tl.float32)
-    if BANK_TILES > 0:  # the tile query block 0 would read (block b reads the b-th after it)
-        near_mode: tl.constexpr = BIAS_TILE
-        near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_n // BLOCK_M) * (BLOCK_M * BLOCK_N)
+    if POSITION == POSITION_T5:
+        if CAUSAL:  # nothing lies far to the right (queries before the keys): the near blocks join the masked loop
+            masked_end = far_left_start
+        else:
+            masked_end = clean_start
     else:
-        near_mode: tl.constexpr = BIAS_PER_SCORE
-        near_base = bias_base
-    masked_end = clean_start
-    if POSITION == POSITION_T5 and CAUSAL and BANK_TILES == 0:
-        # nothing lies far to the right (queries before the keys): the gathered near blocks join the masked loop
-        masked_end = far_left_start
+        masked_end = clean_start
     dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
         dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
         stride_qm, stride_gm, lse_base, delta_base,
@@ -909,13 +839,12 @@ def _attention_backward_dkdv_kernel(
                 BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
                 TABLE_GRAD, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
             )
-        if not CAUSAL or BANK_TILES > 0:  # causal: far_right_end is clean_start
             dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
                 dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
                 stride_qm, stride_gm, lse_base,
-                delta_base, near_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end,
-                far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, near_mode, MAX_DISTANCE, False, CAUSAL,
+                far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
                 HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, TABLE_GRAD, INPUT_PRECISION,
             )
         dk, dv, far_left, near_left, near_right = _backward_dkdv_inner(
@@ -952,7 +881,6 @@ def _backward_dq_inner(
     dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base,
     bias_base, stride_bias_m, stride_bias_n, rows, query_positions,
     seqlen_q, seqlen_k, qk_scale, bias_scalar, block_start, block_end,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
@@ -963,7 +891,6 @@ def _backward_dq_inner(
     HAS_PADDING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """dq over key blocks [block_start, block_end); ``BIAS_TILE`` as in ``_forward_inner``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for block in range(block_start, block_end):
@@ -975,14 +902,10 @@ def _backward_dq_inner(
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
             v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :])
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if BIAS_MODE == BIAS_TILE:
-            tile = bias_base + block * (BLOCK_M * BLOCK_N)
-            scores = scores + tl.load(tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_n[None, :])
-        else:
-            scores = _score_bias(
-                scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-                bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
-            )
+        scores = _score_bias(
+            scores, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, False,
+        )
         if APPLY_MASK:
             visible = keys[None, :] < seqlen_k
             if CAUSAL:
@@ -1001,7 +924,7 @@ def _backward_dq_inner(
 @_jit_for_varying_shapes
 def _attention_backward_dq_kernel(
     Q, K, V, GradOut, Lse, Delta, DQ,
-    KeyPaddingMask, Bias, BiasBank, CuSeqlensQ, CuSeqlensK,
+    KeyPaddingMask, Bias, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -1019,12 +942,9 @@ def _attention_backward_dq_kernel(
     CAUSAL: tl.constexpr,
     HAS_PADDING: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    BANK_TILES: tl.constexpr,
-    BANK_LEFT_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """dq of one query block, looping over the key blocks (no atomics: dq is written once); ``BANK_TILES`` as in
-    the forward kernel."""
+    """dq of one query block, looping over the key blocks (no atomics: dq is written once)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if CAUSAL:
@@ -1065,51 +985,42 @@ def _attention_backward_dq_kernel(
         start_m, seqlen_k, query_offset, 0, tl.cdiv(seqlen_k, BLOCK_N), BLOCK_M, BLOCK_N, MAX_DISTANCE, CAUSAL
     )
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    masked_start = clean_end
     if POSITION == POSITION_T5:
         dq = _backward_dq_inner(
             dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, tl.load(bias_base),
-            0, far_left_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL,
-            HAS_PADDING, INPUT_PRECISION,
+            0, far_left_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            INPUT_PRECISION,
         )
-        if BANK_TILES > 0:  # the tile key block 0 would read (block b reads the b-th after it)
-            near_mode: tl.constexpr = BIAS_TILE
-            near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_m // BLOCK_N) * (BLOCK_M * BLOCK_N)
-        else:
-            near_mode: tl.constexpr = BIAS_PER_SCORE
-            near_base = bias_base
-        near_end = far_right_start
-        if CAUSAL:  # nothing lies far to the right; the unmasked near blocks end at the diagonal
-            near_end = clean_end
-        if CAUSAL and BANK_TILES == 0:  # the gathered near blocks run in the masked loop
+        if CAUSAL:  # nothing lies far to the right: the near blocks run in the masked loop
             masked_start = far_left_end
         else:
             dq = _backward_dq_inner(
-                dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, near_base,
+                dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
                 stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-                far_left_end, near_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, near_mode, MAX_DISTANCE, False,
+                far_left_end, far_right_start, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False,
                 CAUSAL, HAS_PADDING, INPUT_PRECISION,
             )
-            if not CAUSAL:
-                dq = _backward_dq_inner(
-                    dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
-                    stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
-                    tl.load(bias_base + 2 * MAX_DISTANCE + 2), far_right_start, clean_end, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, INPUT_PRECISION,
-                )
+            dq = _backward_dq_inner(
+                dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
+                stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale,
+                tl.load(bias_base + 2 * MAX_DISTANCE + 2), far_right_start, clean_end, BLOCK_N, HEAD_DIM, POSITION,
+                BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, INPUT_PRECISION,
+            )
+            masked_start = clean_end
     else:
         dq = _backward_dq_inner(
             dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
             stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-            0, clean_end, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
-            HAS_PADDING, INPUT_PRECISION,
+            0, clean_end, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL, HAS_PADDING,
+            INPUT_PRECISION,
         )
+        masked_start = clean_end
     dq = _backward_dq_inner(
         dq, q, do, lse, delta, key_base, value_base, stride_kn, stride_vn, mask_base, bias_base,
         stride_bias_m, stride_bias_n, rows, query_positions, seqlen_q, seqlen_k, qk_scale, bias_scalar,
-        masked_start, block_hi, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL,
-        HAS_PADDING, INPUT_PRECISION,
+        masked_start, block_hi, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, HAS_PADDING,
+        INPUT_PRECISION,
     )
     dq_base = DQ + batch64 * stride_dqb + head64 * stride_dqh + q_start * stride_dqm
     tl.store(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
