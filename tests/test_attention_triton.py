@@ -316,6 +316,83 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     assert spy.grids and spy.grids[0][0] == batch * heads
 
 
+def _t5_output_and_gradients(query, key, value, table, grad_out, varlen, causal):
+    """(out, dq, dk, dv, and the table's gradient where it takes one) of one T5 call through the public entry."""
+    options = {"position_encoding": "t5", "table": table, "causal": causal, "bidirectional": not causal,
+               "max_distance": 12}
+    if varlen:
+        cu_seqlens, max_length = varlen
+        out = fat5_attention_varlen(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+    else:
+        out = fat5_attention(query, key, value, **options)
+    inputs = (query, key, value, table) if table.requires_grad else (query, key, value)
+    return (out.detach(), *torch.autograd.grad(out, inputs, grad_out))
+
+
+@pytest.mark.parametrize(
+    "layout, deterministic_algorithms, dtype, wide_tiles",  # deterministic algorithms: dq by its own kernel
+    [(layout, deterministic, torch.float32, False) for layout in ("dense", "varlen") for deterministic in (False, True)]
+    + [("dense", False, torch.float16, False)] + [(layout, False, torch.float32, True) for layout in ("dense", "varlen")],
+)
+def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, deterministic_algorithms, dtype, wide_tiles):
+    """The dk/dv kernel's near tiles reading their bias whole from the bank give every output and gradient of the
+    per-score gather exactly (a frozen table, a non-causal call), with far tiles on both sides of the near ones
+    (max_distance 12, 16 x 16 tiles), partial blocks and varlen segments of odd lengths; the bank is made for the
+    frozen table only (a trained table, or a causal call, gathers). ``wide_tiles``: key tiles twice the query tiles
+    (as the GPU's head-dim-128 dk/dv kernel)."""
+    if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
+        queries, keys, warps = (16, 32, 1) if DEVICE == "cpu" else (32, 64, 4)
+        monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
+            queries, keys, warps, 1))
+    torch.manual_seed(9)
+    heads, head_dim = 2, 16
+    if layout == "varlen":
+        lengths = [37, 70, 5, 53]
+        varlen = (torch.tensor([0, *torch.tensor(lengths).cumsum(0)], dtype=torch.int32, device=DEVICE), max(lengths))
+        query, key, value = (make_leaf(sum(lengths), heads, head_dim, dtype=dtype) for _ in range(3))
+    else:
+        varlen = None
+        query = make_leaf(2, heads, 64, head_dim, dtype=dtype)
+        key, value = make_leaf(2, heads, 75, head_dim, dtype=dtype), make_leaf(2, heads, 75, head_dim, dtype=dtype)
+    frozen = torch.randn(8, heads, device=DEVICE)
+    grad_out = torch.randn_like(query)
+    spy = _Spy(attention_triton._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    results = {}
+    torch.use_deterministic_algorithms(deterministic_algorithms)
+    try:
+        for bank in (True, False):
+            monkeypatch.setattr(attention_triton, "T5_BIAS_BANK", bank)
+            results[bank] = _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
+        assert len(spy.grids) == 1  # the bank path's dk/dv kernel
+        _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
+        _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=True)
+        assert len(spy.grids) == 1  # a trained table and a causal call gather
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, with_bank, gathered in zip(("out", "dq", "dk", "dv"), results[True], results[False]):
+        if name == "dq" and DEVICE == "cuda" and not deterministic_algorithms:
+            # the dk/dv kernel adds dq by atomics, in an order that varies from run to run on a GPU
+            torch.testing.assert_close(with_bank, gathered)
+        else:
+            assert torch.equal(with_bank, gathered), name
+
+
+def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():
+    """Each bank tile (the dk/dv kernel's (keys, queries) tiles) against T5's bias written out per score, for every
+    diagonal offset of the near loop."""
+    rows = torch.randn(3, 2 * 12 + 3, device=DEVICE)
+    for tile_rows, tile_columns in ((32, 16), (16, 16)):
+        bank, left_tiles = attention_triton._t5_bias_bank(rows, tile_rows, tile_columns, 12)
+        assert left_tiles == 1  # ceil(12 / 16): the near blocks start at most one block before the row block
+        assert bank.shape == (3, 1 + math.ceil((tile_rows + 12) / tile_columns), tile_rows, tile_columns)
+        for tile in range(bank.shape[1]):
+            for i in range(tile_rows):
+                for j in range(tile_columns):
+                    relative = i - j - (tile - left_tiles) * tile_columns
+                    assert torch.equal(bank[:, tile, i, j], rows[:, min(max(relative, -13), 13) + 13])
+
+
 def test_rows_without_visible_keys_give_zeros():
     torch.manual_seed(4)
     query, key, value = make_leaf(2, 2, 20, 16), make_leaf(2, 2, 25, 16), make_leaf(2, 2, 25, 16)

@@ -29,6 +29,7 @@ try:
         _attention_forward_kernel,
         _backward_preprocess_kernel,
         _split_combine_kernel,
+        _t5_bias_bank_kernel,
         _t5_bias_by_distance_kernel,
         _t5_table_gradient_kernel,
     )
@@ -88,6 +89,10 @@ _INTERPRETER_CONFIG = LaunchConfig(16, 16, 1, 1)
 
 # Tuning hook for benchmarks/attention.py: {"forward" | "decode" | "dkdv" | "dq": LaunchConfig} wins over the tables.
 CONFIG_OVERRIDES: dict = {}
+# The dk/dv kernel's unmasked near T5 tiles read their bias whole from a per-head bank of tiles (``_t5_bias_bank``)
+# instead of gathering it per score where ``_dkdv_uses_t5_bias_bank`` allows; False gathers everywhere (the tests
+# compare both paths, which give bitwise the same results).
+T5_BIAS_BANK = True
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
 # (H100, benchmarks/results/attention_sweep.json).
@@ -220,6 +225,43 @@ class _Problem:
             batch, num_heads, seqlen_q, head_dim = query.shape
             return _Problem(batch, num_heads, head_dim, seqlen_q, key.shape[2], False)
         return _Problem(cu_seqlens_q.shape[0] - 1, query.shape[1], query.shape[2], max_seqlen_q, max_seqlen_k, True)
+
+
+def _t5_bank_tiles(rows: int, columns: int, max_distance: int) -> tuple[int, int]:
+    """(tiles left of the diagonal, all tiles) of a head's T5 bias bank of (rows, columns) tiles.
+
+    The dk/dv kernel's near loop (``_query_ranges``; its rows are keys) visits the query blocks that end after rel
+    -(D+1) and start before rel rows + D from its key block's start. With query offset 0 and ``rows`` a multiple of
+    ``columns``, each starts ``t`` whole query blocks after the key block's start, fixed-length or varlen alike
+    (tiles start at segment starts): t from -ceil(D / columns) to ceil((rows + D) / columns) - 1.
+    """
+    left_tiles = cdiv(max_distance, columns)
+    return left_tiles, left_tiles + cdiv(rows + max_distance, columns)
+
+
+def _t5_bias_bank(bias_rows: torch.Tensor, rows: int, columns: int, max_distance: int) -> tuple[torch.Tensor, int]:
+    """(heads, tiles, rows, columns) fp32 bank of the dk/dv kernel's near (keys, queries) tiles' bias
+    (``_t5_bias_bank_kernel``), made on the device from the rows, and its tiles left of the diagonal.
+    4 * tiles * rows * columns bytes a head: 80 KiB at 64 x 64 tiles and D 128 (5 tiles)."""
+    left_tiles, num_tiles = _t5_bank_tiles(rows, columns, max_distance)
+    num_heads = bias_rows.shape[0]
+    bank = torch.empty(num_heads, num_tiles, rows, columns, dtype=torch.float32, device=bias_rows.device)
+    _t5_bias_bank_kernel[(num_tiles, num_heads)](
+        bias_rows, bank, bias_rows.stride(0),
+        MAX_DISTANCE=max_distance, LEFT_TILES=left_tiles, ROWS=rows, COLUMNS=columns,
+    )
+    return bank, left_tiles
+
+
+def _dkdv_uses_t5_bias_bank(position: PositionBias, options, table_grad: bool, config: LaunchConfig) -> bool:
+    """Whether the dk/dv kernel's unmasked near tiles read a bias bank instead of gathering: a T5 bias in a non-causal call
+    whose table takes no gradient (LoRA finetuning, a frozen table), query offset 0 (training, prefill: the diagonal
+    offsets are then whole query blocks, the same for every key block) and key tiles a whole number of query tiles.
+    Measured on an H100 (benchmarks/README.md, Attention: the bias bank), forward+backward at L 512 / 1024 / 2048:
+    1.24 / 1.16 / 1.08x the gather there; where the table is trained (the near tiles also sum the table gradient
+    along their diagonals) or causal, and in the forward, the bank was slower or equal."""
+    return (T5_BIAS_BANK and position.kind == "t5" and not options.causal and not table_grad
+            and options.query_offset == 0 and config.block_n % config.block_m == 0)
 
 
 def _token_strides(tensor: torch.Tensor, problem: _Problem) -> tuple[int, int, int]:
@@ -438,9 +480,12 @@ def _backward(
         # in the query's memory layout (the model's are transposed views): the copy into dq then runs contiguous,
         # where a (batch, heads, length, dim) buffer made it a strided transpose (1.5 ms of a 91 ms step, H100)
         dq_accumulator = torch.zeros_like(query, dtype=torch.float32) if fused_dq else dummy
+        bank, bank_left_tiles = None, 0
+        if _dkdv_uses_t5_bias_bank(position, options, table_grad, dkdv_config):
+            bank, bank_left_tiles = _t5_bias_bank(bias, dkdv_config.block_n, dkdv_config.block_m, max_distance_arg)
         _attention_backward_dkdv_kernel[grid](
             query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
-            dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias, *cu_pointers,
+            dummy if bank is None else bank, dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
             *(_token_strides(dq_accumulator, problem) if fused_dq else (0, 0, 0)),
@@ -451,6 +496,7 @@ def _backward(
             *shape_arguments, scale,
             BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=_POSITION_CODES[position.kind],
             EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
+            BANK_TILES=0 if bank is None else bank.shape[1], BANK_LEFT_TILES=bank_left_tiles,
             **common, **_launch_kwargs(dkdv_config, device),
         )
         if fused_dq:

@@ -12,7 +12,11 @@ Conventions shared by every kernel here:
   max_distance) and gathers the table into a per-head row ``bias_by_distance[h, rel + D + 1]`` (log2 units).
   Every ``|rel| > D`` falls in the last bucket of its direction, so relative positions are clamped to that range.
   A tile of the score matrix that lies wholly beyond ``D`` ("far") adds one scalar; the others ("near") gather
-  from the row (it stays in L1). In the backward, a far tile's share of the table gradient is one tile sum (taken
+  from the row (it stays in L1). Where the table takes no gradient in a non-causal call with query offset 0, the
+  dk/dv kernel's near tiles read their bias instead from a small per-head bank of whole tiles, one per diagonal
+  offset a near tile can have (``_t5_bias_bank_kernel``; ``_dkdv_uses_t5_bias_bank`` in attention_triton.py): an
+  aligned, contiguous load in place of a clamped per-score gather, the same values, bitwise the same results.
+  In the backward, a far tile's share of the table gradient is one tile sum (taken
   by the dk/dv kernel); a near tile's score gradient is summed along its diagonals (equal ``rel``) by the same
   kernel, the tile skewed in shared memory by ``tl.gather``, into that program's own fp32 row of sums per relative
   position: no atomics, deterministic. The rows are reduced in a fixed order and mapped to
@@ -55,6 +59,7 @@ def _jit_for_varying_shapes(kernel):
 
 BIAS_PER_SCORE = tl.constexpr(0)  # near T5 tiles (gather), ALiBi, explicit bias, none
 BIAS_SCALAR = tl.constexpr(1)  # far T5 tiles: one value per head
+BIAS_TILE = tl.constexpr(2)  # the dk/dv kernel's unmasked near T5 tiles with a bias bank: each read whole
 # The forward's loops over near T5 tiles are not software-pipelined: the pipeliner would stage the gathered bias
 # tile through shared memory with the keys and values and keep its pointers live across stages, and the registers
 # this takes (248 instead of 128 per thread, H100) halve the programs per SM for the far tiles as well. The backward
@@ -141,6 +146,31 @@ def _t5_bias_by_distance_kernel(
     if WRITE_BIAS:
         value = tl.load(Table + bucket * stride_table_bucket + head * stride_table_head, mask=in_range, other=0.0)
         tl.store(BiasByDistance + head * num_positions + offsets, value.to(tl.float32) * LOG2E, mask=in_range)
+
+
+@_jit_for_varying_shapes
+def _t5_bias_bank_kernel(
+    BiasByDistance,
+    Bank,
+    stride_bias_head,
+    MAX_DISTANCE: tl.constexpr,
+    LEFT_TILES: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+):
+    """Tile ``t`` of one head's bias bank for the dk/dv kernel: the bias of every near (keys ROWS, queries COLUMNS)
+    tile whose query block starts ``c = (t - LEFT_TILES) * COLUMNS`` after its key block, copied from the row (the
+    gather's values: the bank path's scores are bitwise the gather's):
+    ``bank[h, t, i, j] = row[h, clamp(i - j - c, -(D+1), D+1) + D + 1]``."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_row = tl.arange(0, ROWS)
+    offs_column = tl.arange(0, COLUMNS)
+    relative = offs_row[:, None] - offs_column[None, :] - (tile - LEFT_TILES) * COLUMNS
+    clamped = tl.minimum(tl.maximum(relative, -(MAX_DISTANCE + 1)), MAX_DISTANCE + 1)
+    value = tl.load(BiasByDistance + head * stride_bias_head + clamped + MAX_DISTANCE + 1)
+    tile_base = Bank + (head * tl.num_programs(0) + tile).to(tl.int64) * (ROWS * COLUMNS)
+    tl.store(tile_base + offs_row[:, None] * COLUMNS + offs_column[None, :], value)
 
 
 @_jit_for_varying_shapes
@@ -578,6 +608,7 @@ def _backward_tile_ds(
     k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
     bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     POSITION: tl.constexpr,
     BIAS_MODE: tl.constexpr,
@@ -589,7 +620,8 @@ def _backward_tile_ds(
     INPUT_PRECISION: tl.constexpr,
 ):
     """For query block ``block`` against this program's keys: (q, do, p^T, ds^T), the (keys, queries) tiles of the
-    probabilities and of the score gradient. ``EVEN_M``: every query block is full, the row loads need no mask."""
+    probabilities and of the score gradient. ``EVEN_M``: every query block is full, the row loads need no mask.
+    ``BIAS_TILE``: ``bias_base`` is the transposed bank tile of query block 0 (that of block b is b tiles further)."""
     offs_d = tl.arange(0, HEAD_DIM)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     query_positions = rows + query_offset
@@ -602,10 +634,14 @@ def _backward_tile_ds(
         # rows past the end get lse = +inf: their probabilities are 0 without a score mask
         lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
-    scores_t = _score_bias(
-        scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
-        bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
-    )
+    if BIAS_MODE == BIAS_TILE:  # a contiguous, aligned tile: vector loads, no clamp, no data-dependent index
+        tile = bias_base + block * (BLOCK_M * BLOCK_N)
+        scores_t = scores_t + tl.load(tile + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
+    else:
+        scores_t = _score_bias(
+            scores_t, query_positions, keys, rows, seqlen_q, seqlen_k, bias_base, stride_bias_m, stride_bias_n,
+            bias_scalar, POSITION, BIAS_MODE, MAX_DISTANCE, True,
+        )
     if APPLY_MASK:
         visible = keys[:, None] < seqlen_k
         if CAUSAL:
@@ -690,7 +726,7 @@ def _backward_dkdv_inner(
         q, do, p_t, ds_t = _backward_tile_ds(
             k, v, keys, key_keep, q_base, do_base, stride_qm, stride_dom, lse_base, delta_base,
             bias_base, stride_bias_m, stride_bias_n, seqlen_q, seqlen_k, query_offset, qk_scale, bias_scalar, block,
-            BLOCK_M, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_MODE, MAX_DISTANCE, APPLY_MASK, CAUSAL, HAS_PADDING, EVEN_M,
             INPUT_PRECISION,
         )
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -755,7 +791,7 @@ def _key_block_setup(
 @_jit_for_varying_shapes
 def _attention_backward_dkdv_kernel(
     Q, K, V, GradOut, Lse, Delta, DK, DV, DQAccumulator,
-    KeyPaddingMask, Bias, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
+    KeyPaddingMask, Bias, BiasBank, DistanceGrad, DBias, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -780,10 +816,15 @@ def _attention_backward_dkdv_kernel(
     TABLE_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     FUSED_DQ: tl.constexpr,
+    BANK_TILES: tl.constexpr,
+    BANK_LEFT_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """dk and dv of one key block, looping over the query blocks. For T5 it also sums the table gradient into this
-    block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot."""
+    block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot.
+    ``BANK_TILES`` > 0 (bidirectional, the table frozen): the unmasked near tiles read their bias from
+    ``BiasBank``'s transposed tiles, query block ``t - BANK_LEFT_TILES`` blocks (of BLOCK_M) after the key block's
+    start reading tile ``t``."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch64, head64, q_start, seqlen_q, k_start, seqlen_k, start_n, keys, k, v, key_keep, bias_scalar = (
@@ -839,12 +880,18 @@ def _attention_backward_dkdv_kernel(
                 BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_SCALAR, MAX_DISTANCE, False, CAUSAL, HAS_PADDING, EVEN_M,
                 TABLE_GRAD, BIAS_GRAD, FUSED_DQ, False, INPUT_PRECISION,
             )
+            if BANK_TILES > 0:  # the tile query block 0 would read (block b reads the b-th after it)
+                near_mode: tl.constexpr = BIAS_TILE
+                near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_n // BLOCK_M) * (BLOCK_M * BLOCK_N)
+            else:
+                near_mode: tl.constexpr = BIAS_PER_SCORE
+                near_base = bias_base
             dk, dv, unused, near_left, near_right = _backward_dkdv_inner(
                 dk, dv, unused, near_left, near_right, distance_row, start_n, k, v, keys, key_keep, q_base, do_base,
                 stride_qm, stride_gm, lse_base,
-                delta_base, bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                delta_base, near_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                 dq_base, stride_dqm, seqlen_q, seqlen_k, query_offset, qk_scale, scale, bias_scalar, far_right_end,
-                far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, BIAS_PER_SCORE, MAX_DISTANCE, False, CAUSAL,
+                far_left_start, BLOCK_M, BLOCK_N, HEAD_DIM, POSITION, near_mode, MAX_DISTANCE, False, CAUSAL,
                 HAS_PADDING, EVEN_M, False, BIAS_GRAD, FUSED_DQ, TABLE_GRAD, INPUT_PRECISION,
             )
         dk, dv, far_left, near_left, near_right = _backward_dkdv_inner(
