@@ -81,10 +81,10 @@ HEAD_DIM = 64
 NUM_BUCKETS = 32
 MAX_DISTANCE = 128
 LENGTHS = [512, 1024, 2048]
-# block_m, block_n, warps, stages[, stages of the loop over gathering (or bank-reading) T5 tiles]: Triton's pipeliner stages the
-# gathered bias tile through shared memory with K and V (32 KB a stage at 128 x 64; 128 KB in all at 3 stages, one
-# program per SM), which FAT5 avoids by not pipelining that loop (its GATHER_LOOP_STAGES); the 5-element configs
-# try that too, and are skipped without a bias
+# block_m, block_n, warps, stages[, stages of the loop over gathering (or bank-reading) T5 tiles]: Triton's
+# pipeliner stages the gathered bias tile through shared memory with K and V (32 KB a stage at 128 x 64; 128 KB in
+# all at 3 stages, one program per SM), which FAT5 avoids by not pipelining that loop (its GATHER_LOOP_STAGES); the
+# 5-element configs try that too, and are skipped without a bias
 CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3, 1), (128, 64, 8, 2, 1)]
 # name: (TMA descriptors, warp-specialized key loop, persistent grid, descriptors made on the host); the
 # warp-specialized ones last, where a compiler crash would cost the least (the result file is rewritten after each
@@ -319,7 +319,8 @@ def hopper_forward(q, k, v, bias_rows, variant, bias, config, max_distance=MAX_D
     else:
         grid = tiles
     compiled = _forward_kernel[grid](
-        *operands, bias_rows, bias_rows if bias_bank is None else bias_bank, batch * heads, heads, length, batch * length, heads * head_dim, LOG2E,
+        *operands, bias_rows, bias_rows if bias_bank is None else bias_bank, batch * heads, heads, length,
+        batch * length, heads * head_dim, LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BIAS=BIASES[bias], MAX_DISTANCE=max_distance,
         USE_TMA=use_tma, WARP_SPECIALIZE=warp_specialize, PERSISTENT=persistent,
         GATHER_STAGES=gather_stages[0] if gather_stages else None, HOST_DESCRIPTORS=host_descriptors,

@@ -9,6 +9,7 @@ import platform
 import shlex
 import sys
 
+import numpy as np
 import torch
 
 
@@ -135,8 +136,6 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 def curve_differences(candidate: list[float], reference: list[float], smoothing: int) -> dict:
     """Relative differences |candidate - reference| / reference per step, and of the moving averages over
     ``smoothing`` steps, over the steps before either curve first turns NaN or infinite (``steps_compared``)."""
-    import numpy as np
-
     candidate, reference = np.array(candidate, dtype=np.float64), np.array(reference, dtype=np.float64)
     length = min(len(candidate), len(reference))
     finite = np.isfinite(candidate[:length]) & np.isfinite(reference[:length])

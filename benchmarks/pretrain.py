@@ -300,7 +300,7 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
-            # with the Python stacks, so that the host operators' table names the line behind each
+            # stacks and input shapes: operator_callers names the Python line and the tensor behind each operator
             self.profiler = profile(activities=activities, with_stack=True, record_shapes=True)
             self.profiler.__enter__()
         elif step == self.timed_step + self.steps and self.profiler is not None:
@@ -849,6 +849,7 @@ def report(document: dict, out: str) -> None:
               {key: value for key, value in entry.items() if key not in ("initialization", "seed")})
     print_profiles(runs)
     print(document["environment"]["gpu"] or "CPU", "->", out)
+
 
 if __name__ == "__main__":
     main()

@@ -332,7 +332,8 @@ def _t5_output_and_gradients(query, key, value, table, grad_out, varlen, causal)
 @pytest.mark.parametrize(
     "layout, deterministic_algorithms, dtype, wide_tiles",  # deterministic algorithms: dq by its own kernel
     [(layout, deterministic, torch.float32, False) for layout in ("dense", "varlen") for deterministic in (False, True)]
-    + [("dense", False, torch.float16, False)] + [(layout, False, torch.float32, True) for layout in ("dense", "varlen")],
+    + [("dense", False, torch.float16, False)]
+    + [(layout, False, torch.float32, True) for layout in ("dense", "varlen")],
 )
 def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, deterministic_algorithms, dtype, wide_tiles):
     """The dk/dv kernel's near tiles reading their bias whole from the bank give every output and gradient of the

@@ -1,9 +1,10 @@
 """README.md as a new user runs it: every ```python block and every ```bash line, in order, in a fresh folder.
 
 The quick start's `fat5 pretrain --output-dir outputs/fat5-tiny` (the built-in CPU default job) runs once, in the
-session's fixture (tests/test_pretrain.py checks the same run); the blocks after it use what it wrote, as the README's reader does. A block the test cannot run
-here carries a marker comment on the line before its fence, ``<!-- readme-test: skip: REASON -->``, and a few
-commands are not run for the reasons in ``NOT_RUN`` (the environment they set up is the one running the test).
+session's fixture (tests/test_pretrain.py checks the same run); the blocks after it use what it wrote, as the
+README's reader does. A block the test cannot run here carries a marker comment on the line before its fence,
+``<!-- readme-test: skip: REASON -->``, and a few commands are not run for the reasons in ``NOT_RUN`` (the
+environment they set up is the one running the test).
 """
 
 import ast

@@ -314,8 +314,9 @@ def test_packed_batches_honour_the_dataloader_arguments(tiny_model, tokenizer, t
 
     sequences = [tokenizer(row["document"])["input_ids"] for row in ROWS[:24]]
     vocabulary = len(tokenizer)
-    objective = UL2Objective(sentinel_ids=np.arange(vocabulary - 1, vocabulary - 17, -1), prefix_ids={"[R]": 3, "[S]": 4, "[X]": 5},
-                             eos_id=tokenizer.eos_token_id, max_input_length=64, max_target_length=64)
+    objective = UL2Objective(sentinel_ids=np.arange(vocabulary - 1, vocabulary - 17, -1),
+                             prefix_ids={"[R]": 3, "[S]": 4, "[X]": 5}, eos_id=tokenizer.eos_token_id,
+                             max_input_length=64, max_target_length=64)
     collator = UL2DataCollator(objective=objective, packed=True, pad_token_id=tokenizer.pad_token_id)
 
     def sampler(epoch=0):

@@ -254,12 +254,12 @@ def _t5_bias_bank(bias_rows: torch.Tensor, rows: int, columns: int, max_distance
 
 
 def _dkdv_uses_t5_bias_bank(position: PositionBias, options, table_grad: bool, config: LaunchConfig) -> bool:
-    """Whether the dk/dv kernel's unmasked near tiles read a bias bank instead of gathering: a T5 bias in a non-causal call
-    whose table takes no gradient (LoRA finetuning, a frozen table), query offset 0 (training, prefill: the diagonal
-    offsets are then whole query blocks, the same for every key block) and key tiles a whole number of query tiles.
-    Measured on an H100 (benchmarks/README.md, Attention: the bias bank), forward+backward at L 512 / 1024 / 2048:
-    1.24 / 1.16 / 1.08x the gather there; where the table is trained (the near tiles also sum the table gradient
-    along their diagonals) or causal, and in the forward, the bank was slower or equal."""
+    """Whether the dk/dv kernel's unmasked near tiles read a bias bank instead of gathering: a T5 bias in a
+    non-causal call whose table takes no gradient (LoRA finetuning, a frozen table), query offset 0 (training,
+    prefill: the diagonal offsets are then whole query blocks, the same for every key block) and key tiles a whole
+    number of query tiles. Measured on an H100 (benchmarks/README.md, Attention: the bias bank), forward+backward at
+    L 512 / 1024 / 2048: 1.21 / 1.16 / 1.09x the gather there; where the table is trained (the near tiles also sum
+    the table gradient along their diagonals) or causal, and in the forward, the bank was slower or equal."""
     return (T5_BIAS_BANK and position.kind == "t5" and not options.causal and not table_grad
             and options.query_offset == 0 and config.block_n % config.block_m == 0)
 
@@ -485,7 +485,8 @@ def _backward(
             bank, bank_left_tiles = _t5_bias_bank(bias, dkdv_config.block_n, dkdv_config.block_m, max_distance_arg)
         _attention_backward_dkdv_kernel[grid](
             query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
-            dummy if bank is None else bank, dummy if distance_grad is None else distance_grad, dummy if dbias is None else dbias, *cu_pointers,
+            dummy if bank is None else bank, dummy if distance_grad is None else distance_grad,
+            dummy if dbias is None else dbias, *cu_pointers,
             *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
             *_token_strides(grad_out, problem), *_token_strides(dk, problem), *_token_strides(dv, problem),
             *(_token_strides(dq_accumulator, problem) if fused_dq else (0, 0, 0)),

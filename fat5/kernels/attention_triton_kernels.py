@@ -822,7 +822,7 @@ def _attention_backward_dkdv_kernel(
 ):
     """dk and dv of one key block, looping over the query blocks. For T5 it also sums the table gradient into this
     block's row of ``DistanceGrad``: each near tile along its diagonals, each far tile whole into an end slot.
-    ``BANK_TILES`` > 0 (bidirectional, the table frozen): the unmasked near tiles read their bias from
+    ``BANK_TILES`` > 0 (non-causal, the table frozen): the unmasked near tiles read their bias from
     ``BiasBank``'s transposed tiles, query block ``t - BANK_LEFT_TILES`` blocks (of BLOCK_M) after the key block's
     start reading tile ``t``."""
     pid_n = tl.program_id(0)
@@ -882,7 +882,8 @@ def _attention_backward_dkdv_kernel(
             )
             if BANK_TILES > 0:  # the tile query block 0 would read (block b reads the b-th after it)
                 near_mode: tl.constexpr = BIAS_TILE
-                near_base = BiasBank + (head64 * BANK_TILES + BANK_LEFT_TILES - start_n // BLOCK_M) * (BLOCK_M * BLOCK_N)
+                first_tile = head64 * BANK_TILES + BANK_LEFT_TILES - start_n // BLOCK_M
+                near_base = BiasBank + first_tile * (BLOCK_M * BLOCK_N)
             else:
                 near_mode: tl.constexpr = BIAS_PER_SCORE
                 near_base = bias_base
