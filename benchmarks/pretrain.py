@@ -814,8 +814,13 @@ def merge_files(paths: list[str], out: str, smoothing: int) -> None:
     runs) as one result, compared as if one invocation had made them."""
     documents = []
     for path in paths:
-        with open(path) as handle:
-            documents.append(json.load(handle))
+        try:
+            with open(path) as handle:
+                documents.append(json.load(handle))
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(f"--merge: cannot read {path} as a result file: {error}") from None
+        if not isinstance(documents[-1], dict) or "runs" not in documents[-1].get("results", {}):
+            raise SystemExit(f"--merge: {path} is not a pretraining result (no results.runs)")
     for field in ("shape", "data"):
         if len({json.dumps(document[field], sort_keys=True) for document in documents}) > 1:
             raise SystemExit(f"--merge: the files differ in their {field}; merge the runs of one shape and data")

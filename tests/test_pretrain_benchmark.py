@@ -94,3 +94,8 @@ def test_merge_refuses_other_shapes_and_overwriting_its_inputs(pretrain_benchmar
         pretrain_benchmark.main(["--merge", base, small, "--out", str(tmp_path / "out.json")])
     with pytest.raises(SystemExit):
         pretrain_benchmark.main(["--merge", base, "--out", base])
+    with pytest.raises(SystemExit, match="cannot read .*missing.json"):
+        pretrain_benchmark.main(["--merge", base, str(tmp_path / "missing.json"), "--out", str(tmp_path / "out.json")])
+    (tmp_path / "padding.json").write_text(json.dumps({"results": {"padding_plan": {}}}))
+    with pytest.raises(SystemExit, match="not a pretraining result"):
+        pretrain_benchmark.main(["--merge", base, str(tmp_path / "padding.json"), "--out", str(tmp_path / "out.json")])
