@@ -96,6 +96,7 @@ DATA = {
 }
 NUM_SENTINELS = 256
 PADDING_TARGET = 0.05  # of the positions processed (issue 31)
+ATTENTION_ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_routes.json")
 
 
 def load_corpus(vocab_size: int, max_documents: int | None):
@@ -112,8 +113,9 @@ def load_corpus(vocab_size: int, max_documents: int | None):
     return tokenizer, [{"input_ids": np.asarray(x, dtype=np.int32)} for x in ids]
 
 
-def build_models(shape: str, vocab_size: int, initialization: str, seed: int, tokenizer):
-    """A FAT5 drawn with ``initialization`` and transformers' T5 carrying a copy of its weights (T5's names)."""
+def build_models(shape: str, vocab_size: int, initialization: str, seed: int, tokenizer, fat5_config: dict):
+    """A FAT5 drawn with ``initialization`` and transformers' T5 carrying a copy of its weights (T5's names);
+    ``fat5_config``: FAT5Config fields of the FAT5 model alone (its kernels; they leave the weights' draw alone)."""
     from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
     common = {**SHAPES[shape], "feed_forward_proj": "gated-gelu", "vocab_size": vocab_size,
@@ -121,7 +123,7 @@ def build_models(shape: str, vocab_size: int, initialization: str, seed: int, to
               "eos_token_id": tokenizer.eos_token_id, "decoder_start_token_id": tokenizer.pad_token_id}
     torch.manual_seed(seed)
     fat5 = FAT5ForConditionalGeneration(FAT5Config(**common, z_loss=0.0, scale_decoder_outputs=False,
-                                                   initialization=initialization))
+                                                   initialization=initialization, **fat5_config))
     transformers_model = t5_carrying_weights_of(fat5, **common)
     return fat5, transformers_model
 
@@ -150,7 +152,7 @@ def example_lengths(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step_flops(inputs: dict, counts: tuple[int, int, int], config) -> torch.Tensor:
-    """Model FLOPs of one batch by the docstring's formula (a device tensor)."""
+    """Model FLOPs of one batch by the docstring's formula: (dense, attention), a device tensor."""
     encoder_lengths, decoder_lengths = (lengths.double() for lengths in example_lengths(inputs))
     encoder, decoder, head = counts
     dense = 6 * (encoder * encoder_lengths.sum() + (decoder + head) * decoder_lengths.sum())
@@ -159,7 +161,7 @@ def step_flops(inputs: dict, counts: tuple[int, int, int], config) -> torch.Tens
         config.num_layers * (encoder_lengths**2).sum()
         + config.num_decoder_layers * (decoder_lengths**2 / 2 + decoder_lengths * encoder_lengths).sum()
     )
-    return dense + 3.5 * attention
+    return torch.stack([dense, 3.5 * attention])
 
 
 class StepRecorder:
@@ -205,7 +207,8 @@ class StepRecorder:
         steps = sorted(self.losses)
         losses = torch.stack([self.losses[s] for s in steps]).tolist()
         tokens = torch.stack([self.tokens[s] for s in steps]).double().cpu().numpy()
-        flops = torch.stack([self.flops[s] for s in steps]).double().cpu().numpy()
+        flops_split = torch.stack([self.flops[s] for s in steps]).double().cpu().numpy()
+        flops = flops_split.sum(axis=1)
         positions = np.array([self.positions[s] for s in steps], dtype=np.float64)
         windows = []
         for (start, started), (end, ended) in zip(self.clock, self.clock[1:]):
@@ -222,7 +225,12 @@ class StepRecorder:
         result = {"steps": len(steps), "loss": [round(x, 5) for x in losses], "windows": windows,
                   "padding_fraction": round(float(1 - tokens.sum() / positions.sum()), 4),
                   "real_tokens_per_step": round(float(tokens.mean()), 1),
-                  "batch_shapes": len(self.shapes)}
+                  "batch_shapes": len(self.shapes),
+                  "attention_flops_fraction": round(float(flops_split[:, 1].sum() / flops.sum()), 4)}
+        if profiled_from is not None:  # the profiled steps follow the one timed alone, step profiled_from + 1
+            profiled = flops_split[profiled_from + 1:]
+            result["profiled_gflop_per_step"] = {"dense": round(float(profiled[:, 0].mean() / 1e9), 3),
+                                                 "attention": round(float(profiled[:, 1].mean() / 1e9), 3)}
         if not steady:
             logger.warning("no window after the %d warm-up steps without a compilation: run more steps", warmup_steps)
             return result
@@ -512,10 +520,44 @@ def train(trainer, model, args, label: str, compiled: bool = True) -> dict:
     result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step - 1)
     if profiler is not None:
         result["profile"] = profiler.result
+        if "seconds_per_step" in result and args.peak_tflops:
+            result["profile"]["time_bounds"] = time_bounds(result, args.attention_bound_tflops, args.peak_tflops)
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
+
+
+def time_bounds(run: dict, attention_tflops: float, peak_tflops: float) -> dict:
+    """Where the profiled step stands against what its kernels could reach (issue 31's "where the time goes").
+
+    ``achieved_tflops``: the model FLOPs of the profiled steps over their matrix products' and their attention's GPU
+    time (the products also run over the padding positions, which the FLOPs do not count). Then the MFU of the
+    steady step with its attention at ``attention_tflops`` (the H100's bias-free attention), and the MFU of a step
+    made of nothing but the products, the optimizer and attention at that rate: the ceiling of any fusion of the
+    remaining element-wise work, with these products."""
+    kinds = run["profile"]["kernel_ms_by_kind"]
+    flops = {part: gflop / 1e3 for part, gflop in run["profiled_gflop_per_step"].items()}  # TFLOP
+    products_ms = kinds.get("matrix products", 0.0)
+    attention_ms = kinds.get("attention forward", 0.0) + kinds.get("attention backward", 0.0)
+    total_tflop = flops["dense"] + flops["attention"]
+    attention_at_rate_ms = flops["attention"] / attention_tflops * 1e3
+    step_ms = run["seconds_per_step"] * 1e3
+
+    def mfu(ms: float) -> float:
+        return round(total_tflop / (ms / 1e3) / peak_tflops, 4)
+
+    products_attention_optimizer_ms = products_ms + attention_at_rate_ms + kinds.get("optimizer", 0.0)
+    return {
+        "achieved_tflops": {"matrix products": round(flops["dense"] / products_ms * 1e3, 1) if products_ms else None,
+                            "attention": round(flops["attention"] / attention_ms * 1e3, 1) if attention_ms else None},
+        "attention_bound_tflops": attention_tflops,
+        "mfu_attention_at_bound": mfu(step_ms - attention_ms + attention_at_rate_ms),
+        "mfu_products_attention_at_bound_optimizer_only": mfu(products_attention_optimizer_ms),
+        "step_ms": {"measured": round(step_ms, 2), "products_attention_at_bound_optimizer_only":
+                    round(products_attention_optimizer_ms, 2), "at_target_mfu_0.45": round(total_tflop / (
+                        0.45 * peak_tflops) * 1e3, 2)},
+    }
 
 
 def release() -> None:
@@ -681,6 +723,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/pretrain_SHAPE.json)")
     parser.add_argument("--smoothing", type=int, default=10,
                         help="steps of the moving average under which loss curves are compared")
+    parser.add_argument("--fat5-config", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="FAT5Config fields of the FAT5 path, as Python literals (e.g. use_fused_rms_norm=False)")
+    parser.add_argument("--attention-bound-tflops", type=float, default=None,
+                        help="--profile's time bounds: the attention rate they assume (default: cuDNN's bias-free "
+                             "encoder forward+backward at L 1024 in results/attention_routes.json)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no training: the runs of these result files (one shape) as one result, compared")
     args = parse_or_plot(parser, plot, argv)
@@ -706,6 +753,9 @@ def main(argv=None) -> None:
     if args.profile and args.steps - args.profile - 1 <= args.warmup_steps:
         raise SystemExit(f"--profile {args.profile} takes the last {args.profile + 1} of --steps {args.steps}: leave "
                          f"more than --warmup-steps {args.warmup_steps} before them")
+    args.fat5_config = parse_config_overrides(parser, args.fat5_config)
+    if args.profile and args.attention_bound_tflops is None:
+        args.attention_bound_tflops = cudnn_attention_tflops(ATTENTION_ROUTES, length=1024)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu --shape tiny to check the path on a CPU")
     if args.device == "cpu":
@@ -744,7 +794,8 @@ def main(argv=None) -> None:
                 sampler = UL2PackedBatchSampler(lengths, packed.objective, tokens_per_batch=tokens_per_batch,
                                                 shape_buckets=args.buckets, drop_last=True, seed=seed)
                 logger.info("batch shapes (rows, encoder, decoder): %s", sampler.buckets.shapes())
-                fat5_model, transformers_model = build_models(args.shape, vocab_size, initialization, seed, tokenizer)
+                fat5_model, transformers_model = build_models(args.shape, vocab_size, initialization, seed, tokenizer,
+                                                              args.fat5_config)
                 for path in paths:
                     model = fat5_model if path == "fat5" else transformers_model
                     logger.info("%s path, initialization %s, seed %d: %d steps", path, initialization, seed,
@@ -774,6 +825,36 @@ def main(argv=None) -> None:
                             settings={key: value for key, value in vars(args).items() if key not in ("plot_only",
                                                                                                       "merge")})
     report(document, args.out)
+
+
+def parse_config_overrides(parser, pairs: list[str]) -> dict:
+    """``--fat5-config`` FIELD=VALUE pairs as a dict, each field checked against FAT5Config."""
+    import ast
+
+    from fat5 import FAT5Config
+
+    known = set(FAT5Config().to_dict())
+    overrides = {}
+    for pair in pairs:
+        field, _, text = pair.partition("=")
+        if not text or field not in known:
+            parser.error(f"--fat5-config {pair!r}: give FIELD=VALUE with a FAT5Config field")
+        try:
+            overrides[field] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            parser.error(f"--fat5-config {pair!r}: {text!r} is not a Python literal (True, 0.1, 'gelu')")
+    return overrides
+
+
+def cudnn_attention_tflops(path: str, length: int) -> float:
+    """SDPA cuDNN's bias-free, non-causal forward+backward TFLOP/s at ``length`` in an attention.py result."""
+    try:
+        with open(path) as handle:
+            tables = json.load(handle)["results"]["tables"]
+        return next(round(row["forward_backward"]["tflops"], 1) for rows in tables.values() for row in rows
+                    if row["implementation"] == "sdpa_cudnn_no_bias" and not row["causal"] and row["length"] == length)
+    except (OSError, KeyError, StopIteration, json.JSONDecodeError):
+        raise SystemExit(f"--profile: no cuDNN figure at L {length} in {path}; give --attention-bound-tflops") from None
 
 
 def comparisons(runs: list[dict], smoothing: int) -> dict:
@@ -853,6 +934,9 @@ def report(document: dict, out: str) -> None:
         print(f"loss curves ({entry['initialization']}, seed {entry['seed']}):",
               {key: value for key, value in entry.items() if key not in ("initialization", "seed")})
     print_profiles(runs)
+    for run in runs:
+        if "time_bounds" in run.get("profile", {}):
+            print(f"time bounds {run['path']} (seed {run['seed']}):", run["profile"]["time_bounds"])
     print(document["environment"]["gpu"] or "CPU", "->", out)
 
 

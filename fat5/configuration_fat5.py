@@ -72,7 +72,7 @@ class FAT5Config(PretrainedConfig):
             not a bare `nn.Linear` (a PEFT adapter on it), when its weight is still an FSDP2 shard, and under
             `torch.compile`.
         use_fused_rms_norm (`bool`, defaults to `True`): compute the RMS norms with the fused kernel where the
-            backend allows.
+            backend allows, in eager mode; under `torch.compile` Inductor fuses the norms with their neighbours.
         use_fused_activation (`bool`, defaults to `True`): compute the feed-forward activation (and its gate
             product) in one fused kernel where the backend allows and the activation is one it knows (tanh or erf
             GELU, ReLU, SiLU); it rounds once where eager PyTorch rounds after every operation.

@@ -50,6 +50,35 @@ def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughpu
     assert [window["profiled"] for window in run["windows"]] == [window["last_step"] >= 3 for window in run["windows"]]
     assert run["windows"][-1]["profiled"] and not run["windows"][0]["profiled"]
     assert "fat5, seed 0" in (tmp_path / "tiny_profile.txt").read_text()
+    # the profiled step's FLOPs split by the docstring's formula: products and attention both count
+    assert run["profiled_gflop_per_step"]["dense"] > 0 and run["profiled_gflop_per_step"]["attention"] > 0
+    assert 0 < run["attention_flops_fraction"] < 0.5
+
+
+def test_time_bounds_of_a_hand_made_profile(pretrain_benchmark):
+    # a 100 ms step of 40 + 10 TFLOP: products 60 ms, attention 5 + 20 ms, optimizer 4 ms, the rest 11 ms
+    run = {"seconds_per_step": 0.1, "profiled_gflop_per_step": {"dense": 40e3, "attention": 10e3},
+           "profile": {"kernel_ms_by_kind": {"matrix products": 60.0, "attention forward": 5.0,
+                                             "attention backward": 20.0, "optimizer": 4.0, "RMSNorm": 11.0}}}
+    bounds = pretrain_benchmark.time_bounds(run, attention_tflops=500.0, peak_tflops=1000.0)
+    assert bounds["achieved_tflops"] == {"matrix products": pytest.approx(666.7, abs=0.1), "attention": 400.0}
+    # attention at 500 TFLOP/s takes 20 ms instead of 25: a 95 ms step of 50 TFLOP at a 1000 TFLOP/s peak
+    assert bounds["mfu_attention_at_bound"] == pytest.approx(50 / 95, abs=1e-4)
+    # products 60 + attention 20 + optimizer 4
+    assert bounds["step_ms"]["products_attention_at_bound_optimizer_only"] == 84.0
+    assert bounds["mfu_products_attention_at_bound_optimizer_only"] == pytest.approx(50 / 84, abs=1e-4)
+    assert bounds["step_ms"]["at_target_mfu_0.45"] == pytest.approx(50 / 450 * 1e3, abs=0.01)
+
+
+def test_fat5_config_overrides_name_a_field_and_a_literal(pretrain_benchmark):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    assert pretrain_benchmark.parse_config_overrides(parser, ["use_fused_rms_norm=False", "z_loss=1e-4"]) == {
+        "use_fused_rms_norm": False, "z_loss": 1e-4}
+    for bad in ("no_such_field=1", "use_fused_rms_norm", "use_fused_rms_norm=maybe"):
+        with pytest.raises(SystemExit):
+            pretrain_benchmark.parse_config_overrides(parser, [bad])
 
 
 def result_file(path, runs, shape="base"):

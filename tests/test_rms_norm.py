@@ -223,3 +223,23 @@ def test_gpu_bf16_real_sizes(width):
     expected_input, expected_weight = _float64_grads(hidden_states, weight, grad_output, 1e-6)
     assert relative_error(grad_input, expected_input) < 1e-2
     assert relative_error(grad_weight, expected_weight) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_compiled_auto_leaves_the_norm_to_inductor(backend, monkeypatch):
+    """Under torch.compile "auto" traces the reference's operations (Inductor fuses them with their neighbours);
+    "triton" keeps the kernel's custom op. The kernel is made to look usable, as on a GPU."""
+    from fat5.kernels import rms_norm as module
+
+    monkeypatch.setattr(module, "use_triton", lambda backend, tensor: True)
+    targets = []
+
+    def recording_backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    hidden_states, weight = torch.randn(5, 24), torch.randn(24)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: rms_norm(x, w, backend=backend), fullgraph=True, backend=recording_backend)
+    torch.testing.assert_close(compiled(hidden_states, weight), rms_norm_reference(hidden_states, weight))
+    assert any("rms_norm_forward" in target for target in targets) == (backend == "triton")

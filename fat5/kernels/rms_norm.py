@@ -5,8 +5,9 @@ T5's norm (``transformers.models.t5.modeling_t5.T5LayerNorm``) computes the vari
 then multiplies by the weight. Every backend here reproduces that order, so a converted checkpoint gives the same
 activations. ``output_dtype`` rounds that product once into another dtype (the model passes autocast's for the norms
 whose output only feeds projections: the value autocast would have cast it to, without an fp32 tensor in between).
-The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eager mode and as
-``torch.library`` custom ops with fake implementations under ``torch.compile(fullgraph=True)``.
+The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eager mode and, when asked for by name
+(``backend="triton"``), as ``torch.library`` custom ops with fake implementations under
+``torch.compile(fullgraph=True)``; under ``torch.compile``, ``"auto"`` takes the reference, which Inductor fuses.
 """
 
 import torch
@@ -163,7 +164,8 @@ def rms_norm(
         hidden_states: ``(..., hidden_size)``, any leading shape, fp32/fp16/bf16 on the Triton path.
         weight: ``(hidden_size,)`` scale.
         eps: added to the mean of squares before the reciprocal square root.
-        backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"reference"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA in eager mode, the reference elsewhere and under ``torch.compile``,
+            whose Inductor fuses it with its neighbours), ``"reference"`` or ``"triton"``.
         output_dtype: the result's dtype; None keeps T5LayerNorm's (the weight's when it is fp16/bf16, else fp32 or
             wider). The product is rounded into it once; the gradients are those of the unrounded product.
 
@@ -172,7 +174,10 @@ def rms_norm(
         and cast to ``weight.dtype`` before the multiply when the weight is fp16/bf16, as T5 does.
     """
     _check_inputs(hidden_states, weight, output_dtype)
-    if not use_triton(backend, hidden_states):
+    # Under torch.compile, "auto" leaves the norm to Inductor, which fuses it with the residual add before it and the
+    # casts around it; the kernel, opaque to Inductor, cost a pass more each way (UL2 pretraining, base shape in CUDA
+    # graphs on an H100: 24.3% -> 26.2% MFU, benchmarks/results/pretrain_base_inductor_norm.json).
+    if not use_triton(backend, hidden_states) or (backend == "auto" and torch.compiler.is_compiling()):
         return rms_norm_reference(hidden_states, weight, eps, output_dtype)
     if _triton_forward is None:
         raise RuntimeError("rms_norm: the Triton kernels could not be imported; use backend='reference'")
