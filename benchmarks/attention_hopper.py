@@ -426,13 +426,13 @@ def check(variant, bias, config, inputs, expected, max_distance, programs=None):
     return row
 
 
-def interpret_check():
-    """The kernels' logic on the CPU under TRITON_INTERPRET=1, fp32 and fp16 (warp specialization and the TMA
-    hardware are not emulated: the descriptors' addressing and every loop split are)."""
+def interpret_check(dtypes: list[str]):
+    """The kernels' logic on the CPU under TRITON_INTERPRET=1, in each of ``dtypes`` (warp specialization and the
+    TMA hardware are not emulated: the descriptors' addressing and every loop split are)."""
     shape = INTERPRET_SHAPE
     triton.set_allocator(scratch_allocator("cpu"))
     failures = []
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (getattr(torch, name) for name in dtypes):
         inputs = make_inputs(shape["batch"], shape["length"], shape["heads"], shape["head_dim"], "cpu", dtype)
         q, k, v, table = inputs
         expected = {with_bias: reference_forward(q, k, v, table if with_bias else None, shape["max_distance"])
@@ -681,11 +681,13 @@ def main():
                         help="the experimental kernel's variants to time (default: all)")
     parser.add_argument("--interpret-check", action="store_true",
                         help="check the kernels against the fp32 reference on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--interpret-dtypes", nargs="+", default=["float32", "float16"],
+                        choices=["float32", "float16"], help="--interpret-check: the input dtypes checked")
     args = parse_or_plot(parser, plot)
     if args is None:
         return
     if args.interpret_check:
-        interpret_check()
+        interpret_check(args.interpret_dtypes)
         return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark times CUDA kernels; without a GPU, --interpret-check checks their logic")

@@ -96,6 +96,7 @@ DATA = {
 }
 NUM_SENTINELS = 256
 PADDING_TARGET = 0.05  # of the positions processed (issue 31)
+TARGET_MFU = {"base": 0.45, "small": 0.35}  # issue 31
 ATTENTION_ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_routes.json")
 
 
@@ -520,43 +521,51 @@ def train(trainer, model, args, label: str, compiled: bool = True) -> dict:
     result = trainer.recorder.summary(args.warmup_steps, args.peak_tflops, profiler and profiler.timed_step - 1)
     if profiler is not None:
         result["profile"] = profiler.result
-        if "seconds_per_step" in result and args.peak_tflops:
-            result["profile"]["time_bounds"] = time_bounds(result, args.attention_bound_tflops, args.peak_tflops)
+        if "profiled_gflop_per_step" in result and args.peak_tflops:
+            result["profile"]["time_bounds"] = time_bounds(result, args.attention_bound_tflops, args.peak_tflops,
+                                                           TARGET_MFU.get(args.shape, TARGET_MFU["base"]))
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
     if device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
 
 
-def time_bounds(run: dict, attention_tflops: float, peak_tflops: float) -> dict:
-    """Where the profiled step stands against what its kernels could reach (issue 31's "where the time goes").
+def time_bounds(run: dict, attention_tflops: float, peak_tflops: float, target_mfu: float) -> dict:
+    """Where the profiled steps stand against what their kernels could reach (issue 31's "where the time goes").
 
-    ``achieved_tflops``: the model FLOPs of the profiled steps over their matrix products' and their attention's GPU
-    time (the products also run over the padding positions, which the FLOPs do not count). Then the MFU of the
-    steady step with its attention at ``attention_tflops`` (the H100's bias-free attention), and the MFU of a step
-    made of nothing but the products, the optimizer and attention at that rate: the ceiling of any fusion of the
-    remaining element-wise work, with these products."""
+    Everything is per profiled step, on the GPU's kernel time (the gaps between kernels left out, so every MFU here
+    is a little above the wall clock's). ``achieved_tflops``: the model FLOPs of the profiled steps over the time of
+    their matrix products and of their attention (the products also run over the padding positions, which the
+    FLOPs do not count). ``mfu_kernels``: the profiled steps' MFU on their kernel time; ``mfu_attention_at_bound``:
+    the same with the attention at ``attention_tflops`` (the H100's bias-free attention); and
+    ``mfu_products_attention_at_bound_optimizer_only``: a step made of nothing but the products, the optimizer and
+    attention at that rate, the ceiling of any fusion of the remaining element-wise work with these products.
+    ``step_ms.at_target_mfu``: the step time ``target_mfu`` needs."""
     kinds = run["profile"]["kernel_ms_by_kind"]
     flops = {part: gflop / 1e3 for part, gflop in run["profiled_gflop_per_step"].items()}  # TFLOP
     products_ms = kinds.get("matrix products", 0.0)
     attention_ms = kinds.get("attention forward", 0.0) + kinds.get("attention backward", 0.0)
+    kernels_ms = sum(kinds.values())
     total_tflop = flops["dense"] + flops["attention"]
     attention_at_rate_ms = flops["attention"] / attention_tflops * 1e3
-    step_ms = run["seconds_per_step"] * 1e3
 
     def mfu(ms: float) -> float:
         return round(total_tflop / (ms / 1e3) / peak_tflops, 4)
 
     products_attention_optimizer_ms = products_ms + attention_at_rate_ms + kinds.get("optimizer", 0.0)
     return {
+        "peak_tflops": peak_tflops,
+        "attention_bound_tflops": attention_tflops,
+        "target_mfu": target_mfu,
         "achieved_tflops": {"matrix products": round(flops["dense"] / products_ms * 1e3, 1) if products_ms else None,
                             "attention": round(flops["attention"] / attention_ms * 1e3, 1) if attention_ms else None},
-        "attention_bound_tflops": attention_tflops,
-        "mfu_attention_at_bound": mfu(step_ms - attention_ms + attention_at_rate_ms),
+        "mfu_kernels": mfu(kernels_ms),
+        "mfu_attention_at_bound": mfu(kernels_ms - attention_ms + attention_at_rate_ms),
         "mfu_products_attention_at_bound_optimizer_only": mfu(products_attention_optimizer_ms),
-        "step_ms": {"measured": round(step_ms, 2), "products_attention_at_bound_optimizer_only":
-                    round(products_attention_optimizer_ms, 2), "at_target_mfu_0.45": round(total_tflop / (
-                        0.45 * peak_tflops) * 1e3, 2)},
+        "step_ms": {"kernels": round(kernels_ms, 2), "attention": round(attention_ms, 2),
+                    "attention_at_bound": round(attention_at_rate_ms, 2),
+                    "products_attention_at_bound_optimizer_only": round(products_attention_optimizer_ms, 2),
+                    "at_target_mfu": round(total_tflop / (target_mfu * peak_tflops) * 1e3, 2)},
     }
 
 
@@ -800,7 +809,8 @@ def main(argv=None) -> None:
                     model = fat5_model if path == "fat5" else transformers_model
                     logger.info("%s path, initialization %s, seed %d: %d steps", path, initialization, seed,
                                 args.steps)
-                    run = {"path": path, "initialization": initialization, "seed": seed}
+                    run = {"path": path, "initialization": initialization, "seed": seed,
+                           "bucket_shapes": [list(shape) for shape in sampler.buckets.shapes()]}
                     # both paths start at the sampler's first epoch
                     sampler.set_epoch(0)
                     try:
@@ -907,6 +917,12 @@ def merge_files(paths: list[str], out: str, smoothing: int) -> None:
             raise SystemExit(f"--merge: the files differ in their {field}; merge the runs of one shape and data")
     first = documents[0]
     runs = [dict(run, source=path) for path, document in zip(paths, documents) for run in document["results"]["runs"]]
+    for run in runs:  # derived figures: recomputed by this script's formula from the stored profile
+        bounds = run.get("profile", {}).get("time_bounds")
+        if bounds and "profiled_gflop_per_step" in run:
+            run["profile"] = dict(run["profile"], time_bounds=time_bounds(
+                run, bounds["attention_bound_tflops"], bounds.get("peak_tflops", PEAK_BF16_TFLOPS["H100"]),
+                TARGET_MFU.get(first["shape"], TARGET_MFU["base"])))
     shared = ("batch_shapes", "vocab_size", "tokens_per_batch")
     results = {**{key: first["results"][key] for key in shared}, "runs": runs, **comparisons(runs, smoothing)}
     document = write_result(out, results, shape=first["shape"], model=first["model"], data=first["data"],

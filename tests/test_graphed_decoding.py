@@ -395,7 +395,8 @@ def test_property_greedy_with_eos(batch, length, eos_step, seed):
     lengths = torch.randint(1, length + 1, (batch,), generator=generator)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
     inputs = {"input_ids": ids * mask, "attention_mask": mask}
-    eos = int(hf.generate(**inputs, max_new_tokens=eos_step)[0, eos_step])
+    # the token the first row generates at step eos_step (min_new_tokens: the config's own EOS may come earlier)
+    eos = int(hf.generate(**inputs, max_new_tokens=eos_step, min_new_tokens=eos_step)[0, eos_step])
     expected, actual = generate_both((hf, fat5), **inputs, max_new_tokens=10, eos_token_id=eos)
     assert torch.equal(actual, expected)
 

@@ -56,18 +56,19 @@ def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughpu
 
 
 def test_time_bounds_of_a_hand_made_profile(pretrain_benchmark):
-    # a 100 ms step of 40 + 10 TFLOP: products 60 ms, attention 5 + 20 ms, optimizer 4 ms, the rest 11 ms
-    run = {"seconds_per_step": 0.1, "profiled_gflop_per_step": {"dense": 40e3, "attention": 10e3},
+    # 40 + 10 TFLOP a step on 100 ms of kernels: products 60 ms, attention 5 + 20 ms, optimizer 4 ms, the rest 11 ms
+    run = {"profiled_gflop_per_step": {"dense": 40e3, "attention": 10e3},
            "profile": {"kernel_ms_by_kind": {"matrix products": 60.0, "attention forward": 5.0,
                                              "attention backward": 20.0, "optimizer": 4.0, "RMSNorm": 11.0}}}
-    bounds = pretrain_benchmark.time_bounds(run, attention_tflops=500.0, peak_tflops=1000.0)
+    bounds = pretrain_benchmark.time_bounds(run, attention_tflops=500.0, peak_tflops=1000.0, target_mfu=0.45)
     assert bounds["achieved_tflops"] == {"matrix products": pytest.approx(666.7, abs=0.1), "attention": 400.0}
-    # attention at 500 TFLOP/s takes 20 ms instead of 25: a 95 ms step of 50 TFLOP at a 1000 TFLOP/s peak
+    assert bounds["mfu_kernels"] == 0.5
+    # attention at 500 TFLOP/s takes 20 ms instead of 25: 50 TFLOP in 95 ms at a 1000 TFLOP/s peak
     assert bounds["mfu_attention_at_bound"] == pytest.approx(50 / 95, abs=1e-4)
     # products 60 + attention 20 + optimizer 4
     assert bounds["step_ms"]["products_attention_at_bound_optimizer_only"] == 84.0
     assert bounds["mfu_products_attention_at_bound_optimizer_only"] == pytest.approx(50 / 84, abs=1e-4)
-    assert bounds["step_ms"]["at_target_mfu_0.45"] == pytest.approx(50 / 450 * 1e3, abs=0.01)
+    assert bounds["step_ms"]["at_target_mfu"] == pytest.approx(50 / 450 * 1e3, abs=0.01)
 
 
 def test_fat5_config_overrides_name_a_field_and_a_literal(pretrain_benchmark):
@@ -99,12 +100,20 @@ def test_merged_runs_compare_speed_and_loss_curves_against_two_seeds(pretrain_be
     other_seed = [value * (1.02 if step % 2 else 0.98) for step, value in enumerate(reference)]
     # transformers' curve 0.5% off FAT5's until it turns NaN at step 31
     transformers = [value * 1.005 for value in reference[:30]] + [float("nan")] * 10
-    first = result_file(tmp_path / "a.json", [run("fat5", 0, reference, 600.0), run("fat5", 1, other_seed, 610.0)])
+    profiled = dict(run("fat5", 0, reference, 600.0), profiled_gflop_per_step={"dense": 40e3, "attention": 10e3},
+                    profile={"kernel_ms_by_kind": {"matrix products": 60.0, "attention backward": 40.0},
+                             "kernel_ms": 100.0, "device_ms": 101.0, "host_enqueue_ms": 20.0,
+                             "host_synchronisations": 0, "time_bounds": {"attention_bound_tflops": 500.0, "peak_tflops": 1000.0,
+                                             "mfu_kernels": 0.123}})
+    first = result_file(tmp_path / "a.json", [profiled, run("fat5", 1, other_seed, 610.0)])
     second = result_file(tmp_path / "b.json", [run("transformers", 0, transformers, 150.0)])
     out = tmp_path / "merged.json"
     pretrain_benchmark.main(["--merge", first, second, "--smoothing", "4", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [entry["source"] for entry in results["runs"]] == [first, first, second]
+    # a stale bound is recomputed from the stored profile: 50 TFLOP on 100 ms of kernels at a 1000 TFLOP/s peak
+    bounds = results["runs"][0]["profile"]["time_bounds"]
+    assert bounds["mfu_kernels"] == 0.5 and bounds["target_mfu"] == 0.45 and bounds["attention_bound_tflops"] == 500
     assert results["fat5_over_transformers_tokens_per_second"] == 4.0
     (pair,) = results["loss_agreement"]["pairs"]
     between, noise = pair["fat5_vs_transformers"], pair["fat5_seed_1_vs_0"]
