@@ -21,6 +21,7 @@ caches; the timing itself runs in this process, one variant at a time.
     python benchmarks/attention.py --out benchmarks/results/attention.json
     python benchmarks/attention.py --sweep --out benchmarks/results/attention_sweep.json
     python benchmarks/attention.py --breakdown --out benchmarks/results/attention_breakdown.json
+    python benchmarks/attention.py --sweep-short --out benchmarks/results/attention_sweep_short.json
     python benchmarks/attention.py --plot-only benchmarks/results/attention.json
 """
 
@@ -36,7 +37,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
+from common import (
+    cold_graph_ms,
+    copy_bandwidth_gbs,
+    draw_beside,
+    markdown_table,
+    parse_or_plot,
+    save_png,
+    write_result,
+)
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -58,6 +67,8 @@ BIASED_PEERS = ("fat5", "flex", "sdpa_materialised", "sdpa_cudnn_materialised")
 # materialised bias (it has no kernel for a bias that takes a gradient). The bias is materialised outside the
 # timed call: a stack pays it once for all its layers.
 FROZEN_ROUTES = ("fat5_frozen", "fat5_explicit_frozen", "sdpa_cudnn_frozen_bias")
+# timed from a CUDA graph too (FlexAttention's compiled code and the materialised bias's index backward are not)
+GRAPHED = CEILINGS + ("fat5",) + FROZEN_ROUTES
 TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-attention, None for self-attention)
     ("t5_d64", "t5", 64, CEILINGS + BIASED_PEERS, None),
     ("cross_d64", "none", 64, CEILINGS + ("fat5",), 4),
@@ -291,7 +302,8 @@ def timed(name, position_encoding, causal, length, head_dim, forward_backward, q
     work = flops(batch, length, head_dim, causal, forward_backward, query_divisor)
     if not forward_backward:
         ms = triton.testing.do_bench(lambda: run(q, k, v, position), warmup=25, rep=100, return_mode="median")
-        return {"ms": ms, "tflops": work / ms / 1e9}
+        graphed = _graph_timing(lambda: run(q, k, v, position), [], work) if name in GRAPHED else {}
+        return {"ms": ms, "tflops": work / ms / 1e9, **graphed}
     grad_out = torch.randn_like(q)
     leaves = [q, k, v] + ([position] if position.requires_grad else [])
 
@@ -308,7 +320,20 @@ def timed(name, position_encoding, causal, length, head_dim, forward_backward, q
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
     ms = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
-    return {"ms": ms, "tflops": work / ms / 1e9, "peak_mib": peak_mib}
+    graphed = _graph_timing(step, leaves, work) if name in GRAPHED else {}
+    return {"ms": ms, "tflops": work / ms / 1e9, "peak_mib": peak_mib, **graphed}
+
+
+def _graph_timing(function, leaves, work):
+    """The same call replayed from a CUDA graph (``graph_ms``, ``graph_tflops``), as a training step in CUDA graphs
+    runs it: short problems' eager figures carry the host's launches and the autograd engine's hand-off, which a
+    graph leaves out for every implementation alike. A peer that cannot be captured gets ``graph_error``."""
+    try:
+        graph_ms = cold_graph_ms(function, leaves)
+    except RuntimeError as error:
+        torch.cuda.synchronize()
+        return {"graph_error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return {"graph_ms": graph_ms, "graph_tflops": work / graph_ms / 1e9}
 
 
 def decoding(cache, name):
@@ -525,6 +550,62 @@ def sweep(args):
     return {"sweep": results}
 
 
+# The attention problems of a packed pretraining step at T5 v1.1-base (benchmarks/pretrain.py): encoder rows of 1024,
+# decoders of 232 to 1024 positions, cross-attention from those decoder positions to 1024 encoder keys.
+# (position encoding, causal, L, query divisor)
+SHORT_PROBLEMS = [("t5", False, 512, 1), ("t5", False, 1024, 1), ("t5", True, 256, 1), ("t5", True, 512, 1),
+                  ("t5", True, 1024, 1), ("none", False, 1024, 4), ("none", False, 1024, 2), ("none", False, 1024, 1)]
+
+
+def sweep_short(args):
+    """Each launch configuration of SWEEP (head dim 64), and the separate dq kernel, on SHORT_PROBLEMS: forward
+    configurations timed forward, dk/dv configurations and the separate dq kernel forward+backward, each against the
+    defaults of the same problem, each checked against the fp32 reference first."""
+    variants = [()] + [((kind, config),) for kind in ("forward", "dkdv") for config in SWEEP[kind]]
+    variants.append((("deterministic", None),))
+    tasks = [("fat5", position, causal, length, 64, overrides, divisor)
+             for position, causal, length, divisor in SHORT_PROBLEMS for overrides in variants]
+    failures = warm_caches(tasks, args.jobs)
+    results = []
+    for task in tasks:
+        _, position, causal, length, _, overrides, divisor = task
+        kind = overrides[0][0] if overrides else "default"
+        row = {"position": position, "causal": causal, "length": length, "queries": length // divisor,
+               "variant": kind, "config": overrides[0][1] if overrides else None}
+        if task in failures:
+            results.append(dict(row, error=failures[task]))
+            continue
+        _apply_overrides(overrides)
+        errors = correctness("fat5", position, causal, 64, length, TOKENS // length, divisor)
+        row["max_rel_error"] = max(errors.values())
+        if row["max_rel_error"] <= 1e-2:
+            for phase, label in ((False, "forward"), (True, "forward_backward")):
+                if kind != "forward" or not phase:
+                    row[label] = timed("fat5", position, causal, length, 64, phase, divisor)
+        _apply_overrides(())
+        results.append(row)
+        print(row, flush=True)
+    best = {}
+    for row in results:
+        for label in ("forward", "forward_backward"):
+            if label in row and (row["variant"] == "default" or label == ("forward" if row["variant"] == "forward"
+                                                                           else "forward_backward")):
+                key = (row["position"], row["causal"], row["length"], row["queries"], label)
+                if key not in best or row[label]["ms"] < best[key][label]["ms"]:
+                    best[key] = row
+    summary = []
+    for (position, causal, length, queries, label), row in sorted(best.items(), key=str):
+        default = next(r for r in results if r["variant"] == "default" and r["length"] == length
+                       and r["queries"] == queries and r["causal"] == causal and r["position"] == position)
+        summary.append({"position": position, "causal": causal, "length": length, "queries": queries, "phase": label,
+                        "best": [row["variant"], row["config"]], "ms": round(row[label]["ms"], 4),
+                        "default_ms": round(default[label]["ms"], 4),
+                        "speedup": round(default[label]["ms"] / row[label]["ms"], 3)})
+    print(markdown_table(summary, ["position", "causal", "length", "queries", "phase", "best", "ms", "default_ms",
+                                   "speedup"]))
+    return {"sweep_short": results, "summary": summary}
+
+
 def breakdown(args):
     """Where the encoder's T5 attention time goes, at the whole model's encoder shapes (32k tokens): the forward
     and the backward alone with the table gradient and without it (a frozen table), with a narrower and a wider
@@ -644,6 +725,7 @@ def _ratios(table_name, rows):
             "fwd+bwd TFLOP/s": round(row["forward_backward"]["tflops"], 1),
             "fwd / cuDNN": ratio(row, cudnn, "forward"),
             "fwd+bwd / cuDNN": ratio(row, cudnn, "forward_backward"),
+            "fwd+bwd / cuDNN, graphs": ratio(row, cudnn, "forward_backward", "graph_tflops"),
             "fwd+bwd / FA2": ratio(row, flash, "forward_backward"),
             "fwd+bwd / flex": ratio(row, flex, "forward_backward"),
             "mem / FA2": ratio(row, flash, "forward_backward", "peak_mib"),
@@ -684,6 +766,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/attention.json")
     parser.add_argument("--skip-decoding", action="store_true", help="leave out the decoding step's table")
     parser.add_argument("--sweep", action="store_true", help="time the kernels' launch configurations instead")
+    parser.add_argument("--sweep-short", action="store_true",
+                        help="time the launch configurations on a pretraining step's short problems instead")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the T5 encoder's forward and backward without parts of the bias instead")
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default {LENGTHS} ({BREAKDOWN_LENGTHS} with --breakdown)")
@@ -695,10 +779,13 @@ def main():
         return
     if args.lengths is None:
         args.lengths = BREAKDOWN_LENGTHS if args.breakdown else LENGTHS
-    results = sweep(args) if args.sweep else breakdown(args) if args.breakdown else benchmark(args)
+    if args.sweep_short:
+        results = sweep_short(args)
+    else:
+        results = sweep(args) if args.sweep else breakdown(args) if args.breakdown else benchmark(args)
     document = write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS,
                             max_distance=MAX_DISTANCE)
-    if not (args.sweep or args.breakdown):
+    if not (args.sweep or args.sweep_short or args.breakdown):
         draw_beside(plot, document, args.out)
 
 
