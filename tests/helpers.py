@@ -5,6 +5,7 @@ Test files import it as ``from helpers import ...`` (pytest puts tests/ on ``sys
 pyproject.toml). Fixtures stay in conftest.py.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ __all__ = [
     "SMALL_PRETRAIN",
     "TINY",
     "TINY_PRETRAIN",
+    "benchmark_module",
     "fat5_from_hf",
     "hf_and_fat5",
     "make_checkpoint",
@@ -253,6 +255,14 @@ def padded_seq2seq_batch(vocab_size, seed=1):
         "decoder_input_ids": decoder_input_ids * decoder_attention_mask,
         "decoder_attention_mask": decoder_attention_mask,
     }
+
+
+def benchmark_module(name: str):
+    """``benchmarks/NAME.py`` imported as a module (the benchmarks are scripts, not a package)."""
+    specification = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------------------- processes without fat5

@@ -434,12 +434,11 @@ def test_sharded_final_saves_are_refused_before_training(trainer_options, match)
 
 
 def test_benchmark_counts_the_flops_of_packed_examples_each_against_itself():
-    import importlib.util
     from types import SimpleNamespace
 
-    specification = importlib.util.spec_from_file_location("distributed", REPO / "benchmarks" / "distributed.py")
-    distributed = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(distributed)
+    from helpers import benchmark_module
+
+    distributed = benchmark_module("distributed")
     # row 0 packs examples of 3 and 2 encoder tokens (targets of 2 and 1), row 1 one of 4 (target of 3)
     batch = {
         "segment_ids": [[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 0, 0]],

@@ -1,20 +1,13 @@
 """benchmarks/gemm.py's list of a training step's products, against the linear layers of a FAT5 model."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def gemm_benchmark():
-    specification = importlib.util.spec_from_file_location("gemm_benchmark", REPO / "benchmarks" / "gemm.py")
-    module = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(module)
-    return module
+    return benchmark_module("gemm")
 
 
 def test_step_products_cover_every_linear_layer_three_times(gemm_benchmark):

@@ -73,15 +73,12 @@ def test_the_long_input_run_is_merged_with_its_own_environment(tiny_result):
 def test_an_implementation_out_of_memory_is_recorded_and_the_others_measured(monkeypatch):
     """transformers' T5 at 4096 input tokens x batch 128 runs out of memory: the row says so and the grid goes on,
     the others' ids then compared with the next reference."""
-    import importlib.util
     from types import SimpleNamespace
 
     import torch
-    from helpers import REPO
+    from helpers import benchmark_module
 
-    specification = importlib.util.spec_from_file_location("generation", REPO / "benchmarks" / "generation.py")
-    generation = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(generation)
+    generation = benchmark_module("generation")
     models = generation.build_models(generation.TINY, "cpu", torch.float32)
     generate = models["transformers"].generate
 

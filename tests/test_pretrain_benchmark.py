@@ -1,20 +1,14 @@
 """benchmarks/pretrain.py's CPU paths: ``--padding-plan`` (no training) and ``--profile`` on the ``--tiny`` job."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def pretrain_benchmark():
-    specification = importlib.util.spec_from_file_location("pretrain_benchmark", REPO / "benchmarks" / "pretrain.py")
-    module = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(module)
-    return module
+    return benchmark_module("pretrain")
 
 
 def test_padding_plan_counts_the_positions_of_each_bucket_count(pretrain_benchmark, tmp_path):
