@@ -63,6 +63,7 @@ import warnings
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
@@ -473,6 +474,9 @@ def run_fat5(args, model, dataset, collator, sampler, seed: int, scratch: str) -
     return result
 
 
+SDPA_BACKENDS_OF_TRANSFORMERS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch: str) -> dict:
     from torch.utils.data import DataLoader
     from transformers import Seq2SeqTrainer
@@ -491,7 +495,13 @@ def run_transformers(args, model, dataset, collator, sampler, seed: int, scratch
         model=model, args=training_arguments(args, scratch, seed, gradient_accumulation_steps=args.transformers_chunks),
         train_dataset=steps, compute_loss_func=token_mean_loss,
     )
-    return train(trainer, model, args, f"transformers, seed {seed}", compiled=False)
+    # torch 2.11's cuDNN attention backward gives NaN in dq under an attention mask when the keys' width is 64 past a
+    # multiple of 128 and a row's log-sum-exp is very negative (pytorch/pytorch#196678): padded T5 batches are such,
+    # and the run turned NaN (at step 135 of one run, 162 of another: found with torch.autograd.detect_anomaly). The
+    # transformers path takes SDPA's other kernels (the memory-efficient one serves a mask), as a user would.
+    with sdpa_kernel(list(SDPA_BACKENDS_OF_TRANSFORMERS)):
+        result = train(trainer, model, args, f"transformers, seed {seed}", compiled=False)
+    return dict(result, sdpa_backends=[backend.name for backend in SDPA_BACKENDS_OF_TRANSFORMERS])
 
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
