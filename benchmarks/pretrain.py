@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import os
@@ -395,6 +396,11 @@ class UnpackedSteps(torch.utils.data.IterableDataset):
     def __init__(self, dataset, sampler, collator, chunks: int, pad_token_id: int):
         self.dataset, self.sampler, self.collator = dataset, sampler, collator
         self.chunks, self.pad_token_id = chunks, pad_token_id
+        # The Trainer counts an epoch's batches once, from the loader's length before the first epoch, and takes that
+        # many from every epoch: FAT5's path sees at most the first epoch's count of each later epoch's batches (the
+        # packing plans 36 or 37 a epoch here). This path, whose loader has no length, takes the same ones.
+        sampler.set_epoch(0)
+        self.batches_per_epoch = len(sampler)
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -403,7 +409,7 @@ class UnpackedSteps(torch.utils.data.IterableDataset):
         from fat5.trainer.packing import PlannedDataset
 
         planned = PlannedDataset(self.dataset)
-        for batch in self.sampler:
+        for batch in itertools.islice(self.sampler, self.batches_per_epoch):
             examples = sorted(unpacked_examples(self.collator([planned[example] for example in batch])),
                               key=lambda example: len(example[0]))
             for chunk in np.array_split(np.arange(len(examples)), self.chunks):
@@ -755,7 +761,7 @@ def main(argv=None) -> None:
     if args.tiny:
         args.shape, args.device, args.steps = "tiny", "cpu", min(args.steps, 6)
         args.max_documents = args.max_documents or 120
-        args.warmup_steps, args.window, args.transformers_chunks = 2, 2, 2
+        args.warmup_steps, args.window, args.transformers_chunks, args.smoothing = 2, 2, 2, 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.merge:
         if not args.out or args.out in args.merge:
