@@ -131,3 +131,35 @@ def test_merge_refuses_other_shapes_and_overwriting_its_inputs(pretrain_benchmar
     (tmp_path / "padding.json").write_text(json.dumps({"results": {"padding_plan": {}}}))
     with pytest.raises(SystemExit, match="not a pretraining result"):
         pretrain_benchmark.main(["--merge", base, str(tmp_path / "padding.json"), "--out", str(tmp_path / "out.json")])
+
+
+def test_the_transformers_path_takes_each_epoch_as_the_trainer_takes_fat5s(pretrain_benchmark):
+    """The Trainer takes from every epoch as many batches as the first epoch's loader held; the transformers path,
+    whose loader has no length, takes the same: at most the first epoch's count, all of a shorter epoch."""
+    import torch
+
+    class Sampler:
+        batches_by_epoch = (3, 4, 2)
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __len__(self):
+            return self.batches_by_epoch[self.epoch]
+
+        def __iter__(self):
+            return iter([[self.epoch * 10 + batch] for batch in range(len(self))])
+
+    def collator(examples):  # one packed example a batch, its token the batch's id
+        token = int(examples[0]["input_ids"][0])
+        return {"segment_ids": torch.tensor([[1]]), "decoder_segment_ids": torch.tensor([[1]]),
+                "input_ids": torch.tensor([[token]]), "decoder_input_ids": torch.tensor([[0]]),
+                "labels": torch.tensor([[token]])}
+
+    dataset = [{"input_ids": [index]} for index in range(30)]
+    steps = pretrain_benchmark.UnpackedSteps(dataset, Sampler(), collator, chunks=1, pad_token_id=0)
+    taken = []
+    for epoch in range(3):
+        steps.set_epoch(epoch)
+        taken.append([int(batch["input_ids"][0, 0]) for batch in steps])
+    assert taken == [[0, 1, 2], [10, 11, 12], [20, 21]]
