@@ -566,11 +566,14 @@ def sweep_short(args):
     tasks = [("fat5", position, causal, length, 64, overrides, divisor)
              for position, causal, length, divisor in SHORT_PROBLEMS for overrides in variants]
     failures = warm_caches(tasks, args.jobs)
-    results = []
+    results, defaults, best = [], {}, {}
     for task in tasks:
         _, position, causal, length, _, overrides, divisor = task
         kind = overrides[0][0] if overrides else "default"
-        row = {"position": position, "causal": causal, "length": length, "queries": length // divisor,
+        # a forward configuration changes the forward alone, the others the backward
+        phases = {"default": ("forward", "forward_backward"), "forward": ("forward",)}.get(kind, ("forward_backward",))
+        problem = (position, causal, length, length // divisor)
+        row = {"position": position, "causal": causal, "length": length, "queries": problem[3],
                "variant": kind, "config": overrides[0][1] if overrides else None}
         if task in failures:
             results.append(dict(row, error=failures[task]))
@@ -579,28 +582,23 @@ def sweep_short(args):
         errors = correctness("fat5", position, causal, 64, length, TOKENS // length, divisor)
         row["max_rel_error"] = max(errors.values())
         if row["max_rel_error"] <= 1e-2:
-            for phase, label in ((False, "forward"), (True, "forward_backward")):
-                if kind != "forward" or not phase:
-                    row[label] = timed("fat5", position, causal, length, 64, phase, divisor)
+            for phase in phases:
+                row[phase] = timed("fat5", position, causal, length, 64, phase == "forward_backward", divisor)
+                key = problem + (phase,)
+                if kind == "default":
+                    defaults[key] = row
+                if key not in best or row[phase]["ms"] < best[key][phase]["ms"]:
+                    best[key] = row
         _apply_overrides(())
         results.append(row)
         print(row, flush=True)
-    best = {}
-    for row in results:
-        for label in ("forward", "forward_backward"):
-            if label in row and (row["variant"] == "default" or label == ("forward" if row["variant"] == "forward"
-                                                                           else "forward_backward")):
-                key = (row["position"], row["causal"], row["length"], row["queries"], label)
-                if key not in best or row[label]["ms"] < best[key][label]["ms"]:
-                    best[key] = row
     summary = []
-    for (position, causal, length, queries, label), row in sorted(best.items(), key=str):
-        default = next(r for r in results if r["variant"] == "default" and r["length"] == length
-                       and r["queries"] == queries and r["causal"] == causal and r["position"] == position)
-        summary.append({"position": position, "causal": causal, "length": length, "queries": queries, "phase": label,
-                        "best": [row["variant"], row["config"]], "ms": round(row[label]["ms"], 4),
-                        "default_ms": round(default[label]["ms"], 4),
-                        "speedup": round(default[label]["ms"] / row[label]["ms"], 3)})
+    for (position, causal, length, queries, phase), row in sorted(best.items(), key=str):
+        default = defaults[position, causal, length, queries, phase]
+        summary.append({"position": position, "causal": causal, "length": length, "queries": queries, "phase": phase,
+                        "best": [row["variant"], row["config"]], "ms": round(row[phase]["ms"], 4),
+                        "default_ms": round(default[phase]["ms"], 4),
+                        "speedup": round(default[phase]["ms"] / row[phase]["ms"], 3)})
     print(markdown_table(summary, ["position", "causal", "length", "queries", "phase", "best", "ms", "default_ms",
                                    "speedup"]))
     return {"sweep_short": results, "summary": summary}
@@ -781,8 +779,12 @@ def main():
         args.lengths = BREAKDOWN_LENGTHS if args.breakdown else LENGTHS
     if args.sweep_short:
         results = sweep_short(args)
+    elif args.sweep:
+        results = sweep(args)
+    elif args.breakdown:
+        results = breakdown(args)
     else:
-        results = sweep(args) if args.sweep else breakdown(args) if args.breakdown else benchmark(args)
+        results = benchmark(args)
     document = write_result(args.out, results, heads=HEADS, tokens=TOKENS, num_buckets=NUM_BUCKETS,
                             max_distance=MAX_DISTANCE)
     if not (args.sweep or args.sweep_short or args.breakdown):
