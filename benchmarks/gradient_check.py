@@ -1,0 +1,225 @@
+"""Are FAT5's training gradients as exact as transformers' T5's in mixed precision? Step by step, inside the run.
+
+The question a loss spike in ``pretrain.py``'s runs raises: did FAT5 compute a wrong gradient, or was the spike the
+run's own? This script runs ``pretrain.py``'s FAT5 path (the same corpus, shape, weight draw, packed batches, seed
+and learning-rate schedule of ``--steps``) and stops after step ``--check-to``. At every step from ``--check-from``,
+after the step's forward and backward and before its optimizer step, it unpacks the step's examples (one per row,
+padded) and gives them to transformers' ``T5ForConditionalGeneration`` carrying FAT5's weights of that moment, twice:
+
+* in fp32 with TF32 off: the truth the gradients are measured against;
+* in bf16 autocast, SDPA with the kernels ``pretrain.py``'s transformers path uses: the precision a user without
+  FAT5 trains in (GPU only: the CPU path trains in fp32).
+
+Per step: FAT5's loss and the two T5 losses on the same examples; the relative error of FAT5's gradient and of T5's
+bf16 gradient against the truth, ``|g - g_fp32| / |g_fp32|`` over the whole model, and the parameters where FAT5's is
+largest (with T5's bf16 error beside). A FAT5 gradient that is wrong shows as an error well above T5's bf16 one.
+
+    python benchmarks/gradient_check.py --check-from 128 --check-to 140        # base shape, seed 0, one GPU
+    python benchmarks/gradient_check.py --tiny                                 # the whole path on a CPU
+
+Writes ``results/gradient_check_SHAPE.json`` and a PNG beside it (errors and losses by step).
+"""
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pretrain
+from common import draw_beside, parse_or_plot, save_png, t5_carrying_weights_of, write_result
+
+logger = logging.getLogger("gradient_check")
+
+# what transformers' T5 needs of a FAT5 config to be the same network
+T5_FIELDS = ("d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "feed_forward_proj",
+             "vocab_size", "tie_word_embeddings", "dropout_rate", "layer_norm_epsilon", "pad_token_id",
+             "eos_token_id", "decoder_start_token_id", "relative_attention_num_buckets",
+             "relative_attention_max_distance")
+EXAMPLES_PER_REFERENCE_BATCH = 6  # T5 materialises its attention scores: the step's examples go a few at a time
+WORST = 5
+
+
+def t5_gradients(t5, examples, pad_token_id: int, device: torch.device, bf16: bool) -> tuple[dict, float]:
+    """T5's gradient (fp32 copies, by parameter name) and loss for the token-mean cross-entropy over ``examples``."""
+    t5.zero_grad(set_to_none=True)
+    labelled = sum(int((example[2] != -100).sum()) for example in examples)
+    total = 0.0
+    for first in range(0, len(examples), EXAMPLES_PER_REFERENCE_BATCH):
+        chunk = examples[first:first + EXAMPLES_PER_REFERENCE_BATCH]
+        batch = {key: value.to(device) for key, value in pretrain.padded_batch(chunk, pad_token_id).items()}
+        labels = batch.pop("labels")
+        precision = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with precision, torch.nn.attention.sdpa_kernel(list(pretrain.SDPA_BACKENDS_OF_TRANSFORMERS)):
+            logits = t5(**batch).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                                 reduction="sum") / labelled
+        loss.backward()
+        total += float(loss.detach())
+    return {name: parameter.grad.detach().float().clone() for name, parameter in t5.named_parameters()}, total
+
+
+def compare(fat5, inputs: dict, device: torch.device, bf16: bool) -> dict:
+    """FAT5's gradients (of the step just taken) against T5's in fp32, and T5's bf16 ones beside them."""
+    with torch.device(device):
+        t5 = t5_carrying_weights_of(fat5, **{field: getattr(fat5.config, field) for field in T5_FIELDS}).train()
+    examples = pretrain.unpacked_examples({key: value.cpu() for key, value in inputs.items()})
+    pad = fat5.config.pad_token_id
+    half, half_loss = t5_gradients(t5, examples, pad, device, bf16=True) if bf16 else (None, None)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        truth, truth_loss = t5_gradients(t5, examples, pad, device, bf16=False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    del t5
+    squares = {"truth": 0.0, "fat5": 0.0, "fat5_error": 0.0, "t5_bf16_error": 0.0}
+    parameters = []
+    for name, reference in truth.items():
+        gradient = fat5.get_parameter(name).grad.float()
+        error = float((gradient - reference).norm())
+        half_error = float((half[name] - reference).norm()) if bf16 else None
+        norm = float(reference.norm())
+        squares["truth"] += norm**2
+        squares["fat5"] += float(gradient.norm()) ** 2
+        squares["fat5_error"] += error**2
+        squares["t5_bf16_error"] += (half_error or 0.0) ** 2
+        parameters.append({"name": name, "norm": norm, "fat5": error / max(norm, 1e-30),
+                           "t5_bf16": None if half_error is None else half_error / max(norm, 1e-30)})
+    norm = squares["truth"] ** 0.5
+    worst = sorted(parameters, key=lambda row: -row["fat5"])[:WORST]
+    return {
+        "t5_fp32_loss": round(truth_loss, 6), "t5_bf16_loss": None if half_loss is None else round(half_loss, 6),
+        "gradient_norm": round(norm, 6), "fat5_gradient_norm": round(squares["fat5"] ** 0.5, 6),
+        "relative_error": {"fat5": squares["fat5_error"] ** 0.5 / norm,
+                           "t5_bf16": squares["t5_bf16_error"] ** 0.5 / norm if bf16 else None},
+        "worst_parameters": [{key: (float(f"{value:.4g}") if isinstance(value, float) else value)
+                              for key, value in row.items()} for row in worst],
+    }
+
+
+def checking_trainer(base, first: int, last: int, bf16: bool, steps: list):
+    """``base`` (FAT5Trainer) comparing the gradients of steps ``first`` to ``last`` and stopping after ``last``."""
+
+    class GradientChecking(base):
+        def training_step(self, model, inputs, *args, **kwargs):
+            step = self.state.global_step + 1
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            if first <= step <= last:
+                fat5 = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+                device = next(fat5.parameters()).device
+                row = {"step": step, "loss": round(float(loss), 6), **compare(fat5, inputs, device, bf16)}
+                logger.info("step %d: loss %.4f (T5 fp32 %.4f), gradient norm %.4g, relative error FAT5 %.3g, "
+                            "T5 bf16 %s", step, row["loss"], row["t5_fp32_loss"], row["gradient_norm"],
+                            row["relative_error"]["fat5"], row["relative_error"]["t5_bf16"])
+                steps.append(row)
+            if step >= last:
+                self.control.should_training_stop = True
+            return loss
+
+    return GradientChecking
+
+
+def plot(document: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = document["results"]["steps"]
+    steps = [row["step"] for row in rows]
+    figure, (errors, losses) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    errors.plot(steps, [row["relative_error"]["fat5"] for row in rows], "o-", label="FAT5 (bf16 kernels)")
+    if any(row["relative_error"]["t5_bf16"] is not None for row in rows):
+        errors.plot(steps, [row["relative_error"]["t5_bf16"] for row in rows], "s--", label="transformers' T5, bf16")
+    errors.set_yscale("log")
+    errors.set_ylabel("|g - g_fp32| / |g_fp32|")
+    errors.legend(fontsize=8)
+    losses.plot(steps, [row["loss"] for row in rows], "o-", label="FAT5's step loss")
+    losses.plot(steps, [row["t5_fp32_loss"] for row in rows], "x", label="T5 fp32, same weights and examples")
+    losses.set_xlabel("optimizer step")
+    losses.set_ylabel("loss")
+    losses.legend(fontsize=8)
+    save_png(figure, path, document, f"gradients, {document['shape']}, seed {document['seed']}")
+    plt.close(figure)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(pretrain.SHAPES), default="base")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=300, help="the run's length, which sets its learning-rate "
+                        "schedule (as pretrain.py's --steps); the run stops after --check-to")
+    parser.add_argument("--check-from", type=int, default=128, help="first step whose gradients are compared")
+    parser.add_argument("--check-to", type=int, default=140, help="last step compared, and the run's last")
+    parser.add_argument("--compile", choices=["none", "reduce-overhead"], default="none",
+                        help="FAT5's model as pretrain.py's --compile (default eager)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
+    parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the whole path on a CPU: --shape tiny --device cpu, 4 steps, steps 3-4 compared")
+    parser.add_argument("--out", default=None,
+                        help="result JSON (default benchmarks/results/gradient_check_SHAPE.json)")
+    args = parse_or_plot(parser, plot, argv)
+    if args is None:
+        return
+    if args.tiny:
+        args.shape, args.device, args.steps = "tiny", "cpu", 4
+        args.check_from, args.check_to = 3, 4
+        args.max_documents = args.max_documents or 120
+    if not 1 <= args.check_from <= args.check_to <= args.steps:
+        parser.error(f"the compared steps must lie within the run: 1 <= --check-from ({args.check_from}) <= "
+                     f"--check-to ({args.check_to}) <= --steps ({args.steps})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --tiny to check the path on a CPU")
+    if args.device == "cpu":
+        args.compile = "none"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.out = args.out or f"benchmarks/results/gradient_check_{args.shape}.json"
+    steps = run(args)
+    document = write_result(args.out, {"steps": steps}, shape=args.shape, seed=args.seed,
+                            model=pretrain.SHAPES[args.shape], settings=vars(args))
+    draw_beside(plot, document, args.out)
+    print(f"{len(steps)} steps compared -> {args.out}")
+
+
+def run(args) -> list[dict]:
+    """pretrain.py's FAT5 path to step ``args.check_to``, its gradients compared from ``args.check_from``."""
+    from fat5.trainer.collator import UL2DataCollator
+    from fat5.trainer.packing import UL2PackedBatchSampler
+    from fat5.trainer.trainer import FAT5Trainer
+
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as pretrain.py's runs
+    data = pretrain.DATA[args.shape]
+    tokenizer, dataset = pretrain.load_corpus(data["vocab_size"], args.max_documents)
+    vocab_size = -(-len(tokenizer) // 128) * 128
+    lengths = np.array([len(record["input_ids"]) for record in dataset])
+    collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
+                               max_target_length=data["max_target_length"])
+    sampler = UL2PackedBatchSampler(lengths, collator.objective, tokens_per_batch=data["tokens_per_batch"],
+                                    shape_buckets=data["shape_buckets"], drop_last=True, seed=args.seed)
+    model, _ = pretrain.build_models(args.shape, vocab_size, "t5x", args.seed, tokenizer, {})
+    compile_options = {}
+    if args.compile != "none":
+        compile_options = {"torch_compile": True, "torch_compile_mode": args.compile}
+    steps = []
+    trainer_class = checking_trainer(FAT5Trainer, args.check_from, args.check_to, bf16=args.device == "cuda",
+                                     steps=steps)
+    with tempfile.TemporaryDirectory(prefix="fat5-gradient-check-") as scratch:
+        training = pretrain.training_arguments(args, scratch, args.seed, **compile_options)
+        trainer = trainer_class(model=model, args=training, train_dataset=dataset, data_collator=collator,
+                                train_batch_sampler=sampler)
+        trainer.train()
+    return steps
+
+
+if __name__ == "__main__":
+    main()
