@@ -183,15 +183,17 @@ def main(argv=None) -> None:
         args.compile = "none"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out = args.out or f"benchmarks/results/gradient_check_{args.shape}.json"
-    steps = run(args)
-    document = write_result(args.out, {"steps": steps}, shape=args.shape, seed=args.seed,
+    steps, last_step = run(args)
+    document = write_result(args.out, {"steps": steps, "stopped_after_step": last_step}, shape=args.shape,
+                            seed=args.seed,
                             model=pretrain.SHAPES[args.shape], settings=vars(args))
     draw_beside(plot, document, args.out)
     print(f"{len(steps)} steps compared -> {args.out}")
 
 
-def run(args) -> list[dict]:
-    """pretrain.py's FAT5 path to step ``args.check_to``, its gradients compared from ``args.check_from``."""
+def run(args) -> tuple[list[dict], int]:
+    """pretrain.py's FAT5 path to step ``args.check_to``, its gradients compared from ``args.check_from``: the
+    compared steps, and the last step the run took."""
     from fat5.trainer.collator import UL2DataCollator
     from fat5.trainer.packing import UL2PackedBatchSampler
     from fat5.trainer.trainer import FAT5Trainer
@@ -218,7 +220,7 @@ def run(args) -> list[dict]:
         trainer = trainer_class(model=model, args=training, train_dataset=dataset, data_collator=collator,
                                 train_batch_sampler=sampler)
         trainer.train()
-    return steps
+    return steps, trainer.state.global_step
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ def gradient_check():
 
 def test_the_tiny_run_matches_t5_gradients_to_rounding(gradient_check, tmp_path):
     out = tmp_path / "tiny.json"
-    gradient_check.main(["--tiny", "--max-documents", "40", "--out", str(out)])
-    steps = json.loads(out.read_text())["results"]["steps"]
-    assert [row["step"] for row in steps] == [3, 4]
+    gradient_check.main(["--shape", "tiny", "--device", "cpu", "--steps", "8", "--check-from", "2", "--check-to",
+                         "3", "--max-documents", "40", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    steps = results["steps"]
+    assert [row["step"] for row in steps] == [2, 3]
+    assert results["stopped_after_step"] == 3  # the run ends with the last compared step, not at --steps
     for row in steps:
         # fp32 on both sides (the CPU run): the same network, the same examples, so the same loss and gradient
         assert row["loss"] == pytest.approx(row["t5_fp32_loss"], rel=1e-5)
