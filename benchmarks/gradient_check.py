@@ -27,32 +27,28 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain
 from common import draw_beside, parse_or_plot, save_png, t5_carrying_weights_of, write_result
 
+from fat5.conversion.convert import CONFIG_FIELDS
+
 logger = logging.getLogger("gradient_check")
 
-# what transformers' T5 needs of a FAT5 config to be the same network
-T5_FIELDS = ("d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "feed_forward_proj",
-             "vocab_size", "tie_word_embeddings", "dropout_rate", "layer_norm_epsilon", "pad_token_id",
-             "eos_token_id", "decoder_start_token_id", "relative_attention_num_buckets",
-             "relative_attention_max_distance")
 EXAMPLES_PER_REFERENCE_BATCH = 6  # T5 materialises its attention scores: the step's examples go a few at a time
 WORST = 5
 
 
-def t5_gradients(t5, examples, pad_token_id: int, device: torch.device, bf16: bool) -> tuple[dict, float]:
-    """T5's gradient (fp32 copies, by parameter name) and loss for the token-mean cross-entropy over ``examples``."""
+def t5_gradients(t5, batches: list[dict], device: torch.device, bf16: bool) -> tuple[dict, float]:
+    """T5's gradient (fp32 copies, by parameter name) and loss for the token-mean cross-entropy over the examples of
+    ``batches`` (padded, on ``device``)."""
     t5.zero_grad(set_to_none=True)
-    labelled = sum(int((example[2] != -100).sum()) for example in examples)
+    labelled = sum(int((batch["labels"] != -100).sum()) for batch in batches)
     total = 0.0
-    for first in range(0, len(examples), EXAMPLES_PER_REFERENCE_BATCH):
-        chunk = examples[first:first + EXAMPLES_PER_REFERENCE_BATCH]
-        batch = {key: value.to(device) for key, value in pretrain.padded_batch(chunk, pad_token_id).items()}
+    for batch in batches:
+        batch = dict(batch)
         labels = batch.pop("labels")
         precision = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with precision, torch.nn.attention.sdpa_kernel(list(pretrain.SDPA_BACKENDS_OF_TRANSFORMERS)):
@@ -66,15 +62,19 @@ def t5_gradients(t5, examples, pad_token_id: int, device: torch.device, bf16: bo
 
 def compare(fat5, inputs: dict, device: torch.device, bf16: bool) -> dict:
     """FAT5's gradients (of the step just taken) against T5's in fp32, and T5's bf16 ones beside them."""
+    # the T5 fields FAT5's config takes over unchanged, and the output layer's tie
+    fields = {field: getattr(fat5.config, field) for field in (*CONFIG_FIELDS, "tie_word_embeddings")}
     with torch.device(device):
-        t5 = t5_carrying_weights_of(fat5, **{field: getattr(fat5.config, field) for field in T5_FIELDS}).train()
+        t5 = t5_carrying_weights_of(fat5, **fields).train()
     examples = pretrain.unpacked_examples({key: value.cpu() for key, value in inputs.items()})
-    pad = fat5.config.pad_token_id
-    half, half_loss = t5_gradients(t5, examples, pad, device, bf16=True) if bf16 else (None, None)
+    batches = [{key: value.to(device) for key, value in pretrain.padded_batch(
+        examples[first:first + EXAMPLES_PER_REFERENCE_BATCH], fat5.config.pad_token_id).items()}
+        for first in range(0, len(examples), EXAMPLES_PER_REFERENCE_BATCH)]
+    half, half_loss = t5_gradients(t5, batches, device, bf16=True) if bf16 else (None, None)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        truth, truth_loss = t5_gradients(t5, examples, pad, device, bf16=False)
+        truth, truth_loss = t5_gradients(t5, batches, device, bf16=False)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     del t5
@@ -194,20 +194,13 @@ def main(argv=None) -> None:
 def run(args) -> tuple[list[dict], int]:
     """pretrain.py's FAT5 path to step ``args.check_to``, its gradients compared from ``args.check_from``: the
     compared steps, and the last step the run took."""
-    from fat5.trainer.collator import UL2DataCollator
-    from fat5.trainer.packing import UL2PackedBatchSampler
     from fat5.trainer.trainer import FAT5Trainer
 
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as pretrain.py's runs
     data = pretrain.DATA[args.shape]
-    tokenizer, dataset = pretrain.load_corpus(data["vocab_size"], args.max_documents)
-    vocab_size = -(-len(tokenizer) // 128) * 128
-    lengths = np.array([len(record["input_ids"]) for record in dataset])
-    collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
-                               max_target_length=data["max_target_length"])
-    sampler = UL2PackedBatchSampler(lengths, collator.objective, tokens_per_batch=data["tokens_per_batch"],
-                                    shape_buckets=data["shape_buckets"], drop_last=True, seed=args.seed)
+    tokenizer, dataset, vocab_size, collator = pretrain.packed_training_data(args.shape, args.max_documents)
+    sampler = pretrain.packed_sampler(dataset, collator, data["tokens_per_batch"], data["shape_buckets"], args.seed)
     model, _ = pretrain.build_models(args.shape, vocab_size, "t5x", args.seed, tokenizer, {})
     compile_options = {}
     if args.compile != "none":

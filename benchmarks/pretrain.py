@@ -52,6 +52,7 @@ steps beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -102,6 +103,7 @@ TARGET_MFU = {"base": 0.45, "small": 0.35}  # issue 31
 ATTENTION_ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_routes.json")
 
 
+@functools.cache  # shapes of one vocabulary (the padding plan's base and small) train one tokenizer
 def load_corpus(vocab_size: int, max_documents: int | None):
     """The Shakespeare scenes tokenized by a T5-style tokenizer trained on them (no special tokens added)."""
     from fat5.trainer.data import shakespeare_texts
@@ -114,6 +116,28 @@ def load_corpus(vocab_size: int, max_documents: int | None):
     logger.info("tokenizer of %d ids trained and %d scenes (%d tokens) tokenized in %.1f s", len(tokenizer),
                 len(ids), sum(map(len, ids)), time.perf_counter() - started)
     return tokenizer, [{"input_ids": np.asarray(x, dtype=np.int32)} for x in ids]
+
+
+def packed_training_data(shape: str, max_documents: int | None):
+    """What a run of ``shape`` trains on: ``(tokenizer, dataset, vocab_size, collator)``, the model's vocabulary
+    the tokenizer's rounded up to a multiple of 128 (as `fat5 pretrain`: cuBLAS's fast kernels for the output layer)
+    and the packed UL2 collator of the shape's lengths."""
+    from fat5.trainer.collator import UL2DataCollator
+
+    data = DATA[shape]
+    tokenizer, dataset = load_corpus(data["vocab_size"], max_documents)
+    collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
+                               max_target_length=data["max_target_length"])
+    return tokenizer, dataset, -(-len(tokenizer) // 128) * 128, collator
+
+
+def packed_sampler(dataset, collator, tokens_per_batch: int, shape_buckets, seed: int):
+    """The packed batch sampler of a run over ``dataset`` (the last short batch of each pool dropped)."""
+    from fat5.trainer.packing import UL2PackedBatchSampler
+
+    lengths = np.array([len(record["input_ids"]) for record in dataset])
+    return UL2PackedBatchSampler(lengths, collator.objective, tokens_per_batch=tokens_per_batch,
+                                 shape_buckets=shape_buckets, drop_last=True, seed=seed)
 
 
 def build_models(shape: str, vocab_size: int, initialization: str, seed: int, tokenizer, fat5_config: dict):
@@ -647,21 +671,15 @@ def padding_plan(args) -> None:
     positions that the packed batches of ``--padding-epochs`` epochs hold (encoder and decoder, counted as a run
     counts them, the last short batch of each pool dropped as a run drops it), from the sampler and the collator
     themselves on the CPU."""
-    from fat5.trainer.collator import UL2DataCollator
-    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
+    from fat5.trainer.packing import PlannedDataset
 
-    plans, corpora = {}, {}
+    plans = {}
     for shape in args.padding_shapes:
         data = DATA[shape]
-        if data["vocab_size"] not in corpora:
-            corpora[data["vocab_size"]] = load_corpus(data["vocab_size"], args.max_documents)
-        tokenizer, dataset = corpora[data["vocab_size"]]
-        lengths = np.array([len(record["input_ids"]) for record in dataset])
-        collator = UL2DataCollator(tokenizer, packed=True, max_input_length=data["max_input_length"],
-                                   max_target_length=data["max_target_length"])
-        plans[shape] = [bucket_padding(PlannedDataset(dataset), collator, UL2PackedBatchSampler(
-            lengths, collator.objective, tokens_per_batch=data["tokens_per_batch"], shape_buckets=count,
-            drop_last=True, seed=args.seeds[0]), args.padding_epochs) for count in range(1, args.max_buckets + 1)]
+        _, dataset, _, collator = packed_training_data(shape, args.max_documents)
+        plans[shape] = [bucket_padding(PlannedDataset(dataset), collator, packed_sampler(
+            dataset, collator, data["tokens_per_batch"], count, args.seeds[0]), args.padding_epochs)
+            for count in range(1, args.max_buckets + 1)]
         within = [plan["buckets"] for plan in plans[shape] if plan["padding_fraction"] <= PADDING_TARGET]
         logger.info("%s shape: padding by number of buckets %s; the fewest within %.0f%%: %s", shape,
                     {plan["buckets"]: plan["padding_fraction"] for plan in plans[shape]}, 100 * PADDING_TARGET,
@@ -800,24 +818,15 @@ def main(argv=None) -> None:
             if hasattr(torch._dynamo.config, limit):
                 setattr(torch._dynamo.config, limit, 64)
 
-    from fat5.trainer.collator import UL2DataCollator
-    from fat5.trainer.packing import UL2PackedBatchSampler
-
     data = {**DATA[args.shape]}
     tokens_per_batch = args.tokens_per_batch or data["tokens_per_batch"]
     args.buckets = args.buckets or data["shape_buckets"]
-    tokenizer, dataset = load_corpus(data["vocab_size"], args.max_documents)
-    # rows for a multiple of 128 ids (as `fat5 pretrain`): cuBLAS's fast kernels for the output layer
-    vocab_size = -(-len(tokenizer) // 128) * 128
-    lengths = np.array([len(record["input_ids"]) for record in dataset])
-    lengths_options = {"max_input_length": data["max_input_length"], "max_target_length": data["max_target_length"]}
-    packed = UL2DataCollator(tokenizer, packed=True, **lengths_options)
+    tokenizer, dataset, vocab_size, packed = packed_training_data(args.shape, args.max_documents)
     runs = []
     with tempfile.TemporaryDirectory(prefix="fat5-pretrain-benchmark-") as scratch:
         for initialization in args.initialization:
             for seed in args.seeds:
-                sampler = UL2PackedBatchSampler(lengths, packed.objective, tokens_per_batch=tokens_per_batch,
-                                                shape_buckets=args.buckets, drop_last=True, seed=seed)
+                sampler = packed_sampler(dataset, packed, tokens_per_batch, args.buckets, seed)
                 logger.info("batch shapes (rows, encoder, decoder): %s", sampler.buckets.shapes())
                 fat5_model, transformers_model = build_models(args.shape, vocab_size, initialization, seed, tokenizer,
                                                               args.fat5_config)

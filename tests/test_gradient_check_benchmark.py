@@ -32,13 +32,9 @@ def test_the_tiny_run_matches_t5_gradients_to_rounding(gradient_check, tmp_path)
 
 def test_a_wrong_gradient_stands_out(gradient_check):
     """compare() on a packed batch: exact as computed, then one parameter's gradient spoilt is named first."""
-    from fat5.trainer.collator import UL2DataCollator
-
     pretrain = gradient_check.pretrain
-    tokenizer, dataset = pretrain.load_corpus(pretrain.DATA["tiny"]["vocab_size"], max_documents=12)
-    vocab_size = -(-len(tokenizer) // 128) * 128
+    tokenizer, dataset, vocab_size, collator = pretrain.packed_training_data("tiny", max_documents=12)
     model, _ = pretrain.build_models("tiny", vocab_size, "t5x", 0, tokenizer, {})
-    collator = UL2DataCollator(tokenizer, packed=True, max_input_length=128, max_target_length=128)
     batch = collator([{"input_ids": record["input_ids"][:40]} for record in dataset[:8]])
     assert int(batch["segment_ids"].max()) >= 2  # packed: rows hold several examples
     model(**batch).loss.backward()
