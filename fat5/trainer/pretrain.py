@@ -37,12 +37,22 @@ DATA_INTEGERS = {"max_input_length": False, "tokens_per_batch": False, "max_targ
                  "max_eval_documents": True, "num_proc": True}
 
 
-def load_config(config=None) -> dict:
-    """The built-in default updated, section by section, with ``config`` (a YAML path or a mapping)."""
+def load_config(config=None, overrides: dict | None = None) -> dict:
+    """The built-in default updated, section by section, with ``config`` (a YAML path or a mapping), then with
+    ``overrides`` (a mapping of sections)."""
     with open(DEFAULT_CONFIG) as handle:
         merged = yaml.safe_load(handle)
-    if config is None:
+    if config is None and not overrides:
         return merged
+    if config is not None:
+        _merge_sections(merged, _read_config(config))
+    if overrides:
+        _merge_sections(merged, overrides)
+    _check_sections(merged)
+    return merged
+
+
+def _read_config(config) -> dict:
     if not isinstance(config, dict):
         path = Path(config)
         if not path.is_file():
@@ -53,6 +63,10 @@ def load_config(config=None) -> dict:
             raise FAT5Error(f"{path} is not valid YAML: {error}") from None
         if not isinstance(config, dict):
             raise FAT5Error(f"{path} must hold a mapping with the sections {', '.join(SECTIONS)}")
+    return config
+
+
+def _merge_sections(merged: dict, config: dict) -> None:
     unknown = set(config) - set(SECTIONS)
     if unknown:
         raise FAT5Error(f"unknown config sections {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
@@ -63,8 +77,6 @@ def load_config(config=None) -> dict:
             merged[section].update(value)
         else:
             merged[section] = value
-    _check_sections(merged)
-    return merged
 
 
 def _check_sections(settings: dict) -> None:
@@ -212,18 +224,35 @@ def build_model(model_settings: dict, tokenizer, vocab_size: int | None = None):
     )
 
 
-def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool = False) -> dict:
-    """Run the whole pretraining job; returns a summary (losses, steps, where the model is).
+@dataclass
+class PretrainingJob:
+    """A pretraining run made ready by :func:`prepare_pretraining`: its settings, output folder, the checkpoint it
+    resumes from, tokenizer, model, UL2 collator, packed batches and the trainer wired to them. ``run()`` trains,
+    evaluates and saves. Benchmarks add their callbacks to ``trainer`` and feed peers ``batches`` in between."""
 
-    ``config`` is a YAML path, a mapping, or None for the built-in default. The final model and tokenizer are
-    written to ``output_dir`` itself; a folder that holds a model or checkpoints is refused unless ``resume``
-    (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite`` (replace its
-    content) is set.
-    """
+    settings: dict
+    output_dir: Path
+    checkpoint: Path | None
+    tokenizer: Any
+    model: Any
+    collator: Any
+    batches: "PackedBatches"
+    trainer: Any
+
+    def run(self) -> dict:
+        """Train (from the checkpoint when resuming), evaluate, save; returns the summary."""
+        return _train_evaluate_save(self.trainer, self.tokenizer, self.checkpoint, self.output_dir)
+
+
+def prepare_pretraining(config=None, output_dir=None, resume: bool = False, overwrite: bool = False,
+                        overrides: dict | None = None) -> PretrainingJob:
+    """Every step of :func:`pretrain` before training: the settings read (``overrides``, a mapping of sections,
+    updates ``config`` key by key), the output folder prepared, the corpus, tokenizer, model, collator, batches and
+    trainer built."""
     from accelerate import PartialState
     from transformers import set_seed
 
-    settings = load_config(config)
+    settings = load_config(config, overrides)
     state = PartialState()
     output_dir = _prepare_output_folder(settings, config, output_dir, overwrite=overwrite, resume=resume, state=state)
     checkpoint = _resume_checkpoint(output_dir, resume, state)
@@ -233,7 +262,19 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
     collator = _ul2_collator(settings, tokenizer)
     batches = _packed_batches(settings, train_texts, eval_texts, tokenizer, collator)
     trainer = _build_trainer(settings, output_dir, model, tokenizer, collator, batches)
-    return _train_evaluate_save(trainer, tokenizer, checkpoint, output_dir)
+    return PretrainingJob(settings, output_dir, checkpoint, tokenizer, model, collator, batches, trainer)
+
+
+def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool = False,
+             overrides: dict | None = None) -> dict:
+    """Run the whole pretraining job; returns a summary (losses, steps, where the model is).
+
+    ``config`` is a YAML path, a mapping, or None for the built-in default; ``overrides`` a mapping of sections
+    applied over it. The final model and tokenizer are written to ``output_dir`` itself; a folder that holds a model
+    or checkpoints is refused unless ``resume`` (continue from its newest complete checkpoint, or start over when
+    there is none) or ``overwrite`` (replace its content) is set.
+    """
+    return prepare_pretraining(config, output_dir, resume=resume, overwrite=overwrite, overrides=overrides).run()
 
 
 def _seed(settings: dict) -> int:
