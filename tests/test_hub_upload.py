@@ -17,10 +17,11 @@ from huggingface_hub import ModelCard
 
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
-from fat5.commands.hub import add_hub_commands
+from fat5.commands.convert import convert_to_hub_folder
 from fat5.conversion import convert
 from fat5.errors import FAT5Error
 from fat5.hub_upload import BundleError, bundle, flatten_remote_code
+from fat5_command import build_parser
 
 bundle_module = sys.modules["fat5.hub_upload.bundle"]
 
@@ -84,7 +85,7 @@ def test_card_of_a_hub_conversion_names_its_base_model_and_licence(tmp_path, mon
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# mT5\n")
     checkpoint = sys.modules["fat5.conversion.checkpoint"]
     monkeypatch.setattr(checkpoint, "_download_from_hub", lambda repo_id, revision: source)
-    result = convert("google/mt5-small", tmp_path / "out", bundle=True)
+    result = convert_to_hub_folder("google/mt5-small", tmp_path / "out")
     assert (result.source, result.repo_id) == ("google/mt5-small", "google/mt5-small")
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert (card.data.base_model, card.data.license) == ("google/mt5-small", "apache-2.0")
@@ -401,10 +402,8 @@ def test_flatten_rejects_what_cannot_ship(tmp_path, file, text, message):
 
 
 def test_bundle_command_line(converted_dir, tmp_path, capsys):
-    import argparse
 
-    parser = argparse.ArgumentParser(prog="fat5")
-    add_hub_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()
     args = parser.parse_args(["bundle", str(converted_dir), str(tmp_path / "out"), "--no-validate"])
     assert args.func(args) == 0
     assert "auto_map" in json.loads((tmp_path / "out" / "config.json").read_text())

@@ -314,14 +314,13 @@ def _in_package_outputs(folder: Path, auto_names) -> dict[str, torch.Tensor]:
     import transformers
 
     import fat5  # noqa: F401  (registers the Auto classes)
-    from fat5.conversion.convert import _quiet_transformers
-    from fat5.conversion.verify import comparison_batch
+    from fat5.conversion.verify import comparison_batch, quiet_transformers
 
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     batch = comparison_batch(int(config["vocab_size"]))
     outputs = {}
     for auto_name in auto_names:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = getattr(transformers, auto_name).from_pretrained(folder, dtype="auto").eval()
         seq2seq = "decoder_input_ids" in model.forward.__code__.co_varnames
         output = model(**(batch if seq2seq else {k: batch[k] for k in ("input_ids", "attention_mask")}))
@@ -435,9 +434,9 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
         raise BundleError(f"{model_dir}: unknown FAT5 architecture {architectures[0]!r}")
     from safetensors import SafetensorError
 
-    from fat5.conversion.convert import _check_loading_info, _quiet_transformers
+    from fat5.conversion.verify import check_loading_info, quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             model, info = model_class.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
         except pickle.UnpicklingError:
@@ -449,7 +448,7 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
         # a truncated or corrupted weights file raises SafetensorError, which derives from none of the others
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             raise BundleError(f"{model_dir} does not load as {architectures[0]}: {error}") from None
-        _check_loading_info(info, model_dir)
+        check_loading_info(info, model_dir)
         model.save_pretrained(folder, max_shard_size=max_shard_size)
     return architectures[0], raw
 
