@@ -33,7 +33,7 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
-    from ..trainer.trainer import resume_hint
+    from ..output_folder import resume_hint
 
     try:
         result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,

@@ -25,7 +25,7 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    from ..trainer.trainer import resume_hint
+    from ..output_folder import resume_hint
 
     start = time.perf_counter()
     try:
