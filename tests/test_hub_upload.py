@@ -59,7 +59,8 @@ def test_bundle_layout_and_card(bundled, converted_dir):
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "fat5_conversion.json"} <= names
     assert {"spiece.model", "tokenizer_config.json"} <= names
-    expected_code = {"configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py"} | {
+    expected_code = {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                     "graphed_decoding.py"} | {
         p.name for p in (Path(fat5.__file__).parent / "kernels").glob("*.py") if p.name != "__init__.py"
     }
     assert {n for n in names if n.endswith(".py")} == expected_code
@@ -340,6 +341,7 @@ def _write_package(root: Path, files: dict[str, str]) -> Path:
 FAKE_PACKAGE = {
     "configuration_fat5.py": "class FAT5Config:\n    value = 3\n",
     "token_layout.py": "class TokenLayout:\n    pass\n",
+    "position_encoding.py": "from .configuration_fat5 import FAT5Config\n\n\ndef offset():\n    return FAT5Config.value\n",
     "graphed_decoding.py": "from .kernels.dispatch import pick\n\n\ndef decode():\n    return pick()\n",
     "modeling_fat5.py": (
         "from .configuration_fat5 import FAT5Config\n"
@@ -368,8 +370,8 @@ FAKE_PACKAGE = {
 
 def test_flatten_rewrites_relative_imports_and_the_result_runs(tmp_path):
     flat = flatten_remote_code(_write_package(tmp_path / "fat5", FAKE_PACKAGE))
-    assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py",
-                         "dispatch.py", "helper.py", "attention.py"}
+    assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                         "graphed_decoding.py", "dispatch.py", "helper.py", "attention.py"}
     assert "from .dispatch import pick" in flat["graphed_decoding.py"]
     assert "from .attention import attend" in flat["modeling_fat5.py"]
     assert "from .dispatch import pick" in flat["attention.py"]

@@ -2,9 +2,10 @@
 
 transformers loads remote code from files beside `config.json` and follows only relative imports written
 `from .name import ...` (it finds them with a regular expression, then copies `name.py` next to the module); it
-has no sub-packages. So the package's remote-code files (`configuration_fat5.py`, `modeling_fat5.py`,
-`token_layout.py` and `kernels/*.py`) become sibling files, their relative imports are rewritten to name the
-sibling, and every import of a sibling is made visible to that regular expression. A bundle is checked before it
+has no sub-packages. So the package's remote-code files (`REMOTE_CODE_ROOT_FILES`: the configuration, the
+modelling, the position encoding, the token layout and the graphed decoding; and `kernels/*.py`) become sibling
+files, their relative imports are rewritten to name the sibling, and every import of a sibling is made visible to
+that regular expression. A bundle is checked before it
 is kept: no file imports `fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh
 Python process in which neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
 """
@@ -26,7 +27,8 @@ import torch
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
-REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py")
+REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                          "graphed_decoding.py")
 KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
