@@ -220,7 +220,8 @@ def checkpoint_problem(folder) -> str | None:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return f"{index_name} is damaged"
             weights += [folder / shard for shard in sorted(shards)]
-    weights += [folder / name for name in ("model.safetensors", "adapter_model.safetensors") if (folder / name).is_file()]
+    weights += [folder / name for name in ("model.safetensors", "adapter_model.safetensors")
+                if (folder / name).is_file()]
     if not weights and not (folder / "pytorch_model.bin").is_file():
         return "no model weights"
     for path in weights:

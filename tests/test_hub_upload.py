@@ -341,7 +341,9 @@ def _write_package(root: Path, files: dict[str, str]) -> Path:
 FAKE_PACKAGE = {
     "configuration_fat5.py": "class FAT5Config:\n    value = 3\n",
     "token_layout.py": "class TokenLayout:\n    pass\n",
-    "position_encoding.py": "from .configuration_fat5 import FAT5Config\n\n\ndef offset():\n    return FAT5Config.value\n",
+    "position_encoding.py": (
+        "from .configuration_fat5 import FAT5Config\n\n\ndef offset():\n    return FAT5Config.value\n"
+    ),
     "graphed_decoding.py": "from .kernels.dispatch import pick\n\n\ndef decode():\n    return pick()\n",
     "modeling_fat5.py": (
         "from .configuration_fat5 import FAT5Config\n"
