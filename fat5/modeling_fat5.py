@@ -724,6 +724,56 @@ def _register_with_peft() -> None:
 
 
 class FAT5PreTrainedModel(PreTrainedModel):
+    """The base of every FAT5 model: transformers' loading and saving, and the first draw of the weights.
+
+    A fresh model is drawn as T5X's (``config.initialization="t5x"``, the default) or transformers' T5's
+    (``"transformers"``) is, by ``_init_weights``. The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
+    ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
+    ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
+    ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
+
+    ======================== ================================================= ============================
+    weight                   T5X (``"t5x"``)                                   transformers' T5
+    ======================== ================================================= ============================
+    shared (token embedding) normal, 1 (``Embed``, ``normal(stddev=1.0)``)     normal, 1
+    q                        normal, (d_model * d_kv)**-0.5                    the same
+    k, v                     normal, d_model**-0.5                             the same
+    o                        normal, (num_heads * d_kv)**-0.5                  the same
+    wi, wi_0, wi_1           truncated normal, d_model**-0.5                   normal, d_model**-0.5
+    wo                       truncated normal, d_ff**-0.5                      normal, d_ff**-0.5
+    relative_attention_bias  uniform, (2 / (num_buckets + num_heads))**0.5     normal, d_model**-0.5
+    untied lm_head           truncated normal, d_model**-0.5                   normal, 1
+    tied lm_head             the embedding's; logits / sqrt(d_model)           the same
+    RMS norm weights         1                                                 1
+    ======================== ================================================= ============================
+
+    - q, k, v, o: ``MultiHeadDotProductAttention``'s ``variance_scaling(1.0, 'fan_in', 'normal')``, fan-in d_model
+      (o: num_heads * d_kv). T5 does not scale q·k by 1/sqrt(d_kv): T5X folds it into q's draw (``query_init =
+      kernel_init / sqrt(head_dim)``), hence (d_model * d_kv)**-0.5, which transformers draws too.
+    - wi, wo and the untied head (``logits_dense``): ``DenseGeneral`` and ``MlpBlock``'s ``variance_scaling(1.0,
+      'fan_in', 'truncated_normal')``, JAX's truncated normal: cut at two standard deviations of a normal whose
+      standard deviation is divided by 0.8796 first, so that the drawn values keep d_model**-0.5 (d_ff**-0.5).
+      transformers draws the same spreads untruncated, except its untied head: std 1 (``initializer_factor``),
+      logits of std about sqrt(d_model) that the first hundreds of steps spend shrinking; T5X's fan-in head starts
+      the loss near ln(vocab_size). This is the difference that matters.
+    - relative_attention_bias: ``Encoder`` and ``Decoder`` give ``relpos_bias`` ``variance_scaling(1.0,
+      'fan_avg', 'uniform')`` over its (num_heads, num_buckets) table: Glorot's uniform, bound (6 / (num_buckets +
+      num_heads))**0.5, about 0.39 for T5's 32 buckets and 8 heads where transformers' std is 0.044 (d_model 512).
+    - Tied head: T5X's ``logits_via_embedding`` divides the logits by sqrt(d_model); FAT5 scales the decoder
+      output by d_model**-0.5 (``scale_decoder_outputs``, on by default when tied), as transformers does. A tied
+      head without that scaling starts with logits of std about sqrt(d_model) under either draw: the embedding is
+      also the input, so no draw can fix it.
+    - Heads that T5X lacks. ``"t5x"`` gives them ``DenseGeneral``'s fan-in draw: truncated normal, d_model**-0.5
+      for the sequence classification head's dense and out_proj, the token classifier and qa_outputs.
+      ``"transformers"`` gives transformers' T5 draws: normal, d_model**-0.5 for all but the token classifier
+      (std 1). Biases are zero under both.
+    - FIRE (neither reference has it): its MLP is drawn by Glorot's uniform (biases zero), ``c`` and ``threshold``
+      start at ``fire_init_c`` and ``fire_init_threshold``, under both. ALiBi's slopes are fixed and RoPE has no
+      parameter: nothing to draw.
+    - ``initializer_factor`` multiplies every standard deviation above (and the norms' 1), FIRE's MLP aside; at
+      1.0, its default, the draws are the references'.
+    """
+
     config_class = FAT5Config
     config: FAT5Config
     base_model_prefix = "transformer"
@@ -803,53 +853,7 @@ class FAT5PreTrainedModel(PreTrainedModel):
         alone: loading and conversion never draw a loaded weight, whatever the setting. Each Linear and Embedding
         draws its own weight, once, with the init spread of its place in the model (``_init_spread_of``), so that a
         direct call on one (transformers' ``resize_token_embeddings`` builds the new head outside the model and calls
-        this on it) and a whole-model pass agree.
-
-        The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
-        ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
-        ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
-        ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
-
-        ======================== ================================================= ============================
-        weight                   T5X (``"t5x"``)                                   transformers' T5
-        ======================== ================================================= ============================
-        shared (token embedding) normal, 1 (``Embed``, ``normal(stddev=1.0)``)     normal, 1
-        q                        normal, (d_model * d_kv)**-0.5                    the same
-        k, v                     normal, d_model**-0.5                             the same
-        o                        normal, (num_heads * d_kv)**-0.5                  the same
-        wi, wi_0, wi_1           truncated normal, d_model**-0.5                   normal, d_model**-0.5
-        wo                       truncated normal, d_ff**-0.5                      normal, d_ff**-0.5
-        relative_attention_bias  uniform, (2 / (num_buckets + num_heads))**0.5     normal, d_model**-0.5
-        untied lm_head           truncated normal, d_model**-0.5                   normal, 1
-        tied lm_head             the embedding's; logits / sqrt(d_model)           the same
-        RMS norm weights         1                                                 1
-        ======================== ================================================= ============================
-
-        - q, k, v, o: ``MultiHeadDotProductAttention``'s ``variance_scaling(1.0, 'fan_in', 'normal')``, fan-in d_model
-          (o: num_heads * d_kv). T5 does not scale q·k by 1/sqrt(d_kv): T5X folds it into q's draw (``query_init =
-          kernel_init / sqrt(head_dim)``), hence (d_model * d_kv)**-0.5, which transformers draws too.
-        - wi, wo and the untied head (``logits_dense``): ``DenseGeneral`` and ``MlpBlock``'s ``variance_scaling(1.0,
-          'fan_in', 'truncated_normal')``, JAX's truncated normal: cut at two standard deviations of a normal whose
-          standard deviation is divided by 0.8796 first, so that the drawn values keep d_model**-0.5 (d_ff**-0.5).
-          transformers draws the same spreads untruncated, except its untied head: std 1 (``initializer_factor``),
-          logits of std about sqrt(d_model) that the first hundreds of steps spend shrinking; T5X's fan-in head starts
-          the loss near ln(vocab_size). This is the difference that matters.
-        - relative_attention_bias: ``Encoder`` and ``Decoder`` give ``relpos_bias`` ``variance_scaling(1.0,
-          'fan_avg', 'uniform')`` over its (num_heads, num_buckets) table: Glorot's uniform, bound (6 / (num_buckets +
-          num_heads))**0.5, about 0.39 for T5's 32 buckets and 8 heads where transformers' std is 0.044 (d_model 512).
-        - Tied head: T5X's ``logits_via_embedding`` divides the logits by sqrt(d_model); FAT5 scales the decoder
-          output by d_model**-0.5 (``scale_decoder_outputs``, on by default when tied), as transformers does. A tied
-          head without that scaling starts with logits of std about sqrt(d_model) under either draw: the embedding is
-          also the input, so no draw can fix it.
-        - Heads that T5X lacks. ``"t5x"`` gives them ``DenseGeneral``'s fan-in draw: truncated normal, d_model**-0.5
-          for the sequence classification head's dense and out_proj, the token classifier and qa_outputs.
-          ``"transformers"`` gives transformers' T5 draws: normal, d_model**-0.5 for all but the token classifier
-          (std 1). Biases are zero under both.
-        - FIRE (neither reference has it): its MLP is drawn by Glorot's uniform (biases zero), ``c`` and ``threshold``
-          start at ``fire_init_c`` and ``fire_init_threshold``, under both. ALiBi's slopes are fixed and RoPE has no
-          parameter: nothing to draw.
-        - ``initializer_factor`` multiplies every standard deviation above (and the norms' 1), FIRE's MLP aside; at
-          1.0, its default, the draws are the references'.
+        this on it) and a whole-model pass agree. The draws and their references: the class docstring.
         """
         if isinstance(module, FAT5LayerNorm):
             init.constant_(module.weight, self.config.initializer_factor)
