@@ -1,23 +1,40 @@
-"""The `fat5` console script's first stop.
+"""The `fat5` command: convert, export, bundle, push, pretrain, finetune, bench.
 
-`fat5`, `fat5 --help` and `fat5 --version` are answered here, without importing the `fat5` package: `import fat5`
-registers FAT5 with transformers' Auto classes, which imports torch and transformers (seconds), and that must stay
-so for ``import fat5`` to do what it says. Every other command goes on to :func:`fat5.cli.main`.
+`fat5`, `fat5 --help` and `fat5 --version` are answered from the command table below without importing the `fat5`
+package: `import fat5` registers FAT5 with transformers' Auto classes, which imports torch and transformers (seconds),
+and that must stay so for ``import fat5`` to do what it says. Any other command imports the `fat5.commands` modules
+the table names, which add each subcommand's options and handler; a user mistake (FAT5Error) is printed on stderr
+with exit status 2 and no traceback. `python -m fat5.cli` runs this same command.
 """
 
 import argparse
+import importlib
 import sys
+from typing import NamedTuple
 
 DESCRIPTION = "FAT5 (Flash Attention T5): convert T5-family checkpoints, pretrain, finetune and publish."
-# the subcommands as `fat5 --help` lists them; tests/test_cli.py checks that this help is the full parser's
+
+
+class Command(NamedTuple):
+    help: str
+    module: str  # the `fat5.commands` module whose function `configure` adds the command's options and handler
+    configure: str
+
+
 COMMANDS = {
-    "convert": "convert a T5 / FLAN-T5 / mT5 / UMT5 checkpoint to FAT5 (verified against transformers)",
-    "export-hf": "write a FAT5 model back as a transformers T5 / MT5 / UMT5 checkpoint",
-    "bundle": "make a self-contained Hub folder (remote code, auto_map, model card) from a FAT5 model folder",
-    "push": "upload a bundled FAT5 folder to the Hub (validated first)",
-    "pretrain": "UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
-    "finetune": "finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",
-    "bench": "run one of the benchmarks (model, attention, cross-entropy, rms-norm, distributed, ...)",
+    "convert": Command("convert a T5 / FLAN-T5 / mT5 / UMT5 checkpoint to FAT5 (verified against transformers)",
+                       "fat5.commands.convert", "configure_convert"),
+    "export-hf": Command("write a FAT5 model back as a transformers T5 / MT5 / UMT5 checkpoint",
+                         "fat5.commands.convert", "configure_export_hf"),
+    "bundle": Command("make a self-contained Hub folder (remote code, auto_map, model card) from a FAT5 model folder",
+                      "fat5.commands.hub", "configure_bundle"),
+    "push": Command("upload a bundled FAT5 folder to the Hub (validated first)", "fat5.commands.hub", "configure_push"),
+    "pretrain": Command("UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
+                        "fat5.commands.pretrain", "configure_pretrain"),
+    "finetune": Command("finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",
+                        "fat5.commands.finetune", "configure_finetune"),
+    "bench": Command("run one of the benchmarks (model, attention, cross-entropy, rms-norm, distributed, ...)",
+                     "fat5.commands.bench", "configure_bench"),
 }
 
 
@@ -34,12 +51,23 @@ def version() -> str:
 
 
 def top_level_parser() -> argparse.ArgumentParser:
-    """`fat5` without its subcommands' options: what `--help` and `--version` need."""
+    """`fat5` with its subcommands' names and help lines only: what `--help` and `--version` need."""
+    return _parser(with_options=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`fat5` with every subcommand's options and handler (`func(args) -> int`)."""
+    return _parser(with_options=True)
+
+
+def _parser(with_options: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fat5", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fat5 {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, help_line in COMMANDS.items():
-        subparsers.add_parser(name, help=help_line)
+    for name, command in COMMANDS.items():
+        subparser = subparsers.add_parser(name, help=command.help)
+        if with_options:
+            getattr(importlib.import_module(command.module), command.configure)(subparser)
     return parser
 
 
@@ -47,9 +75,17 @@ def main(argv=None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
     if not arguments or arguments[0] in ("-h", "--help", "--version"):
         top_level_parser().parse_args(arguments)  # prints the help, the version or the usage error, and exits
-    from fat5.cli import main as run_command
+    args = build_parser().parse_args(arguments)
+    from fat5.errors import FAT5Error
 
-    return run_command(arguments)
+    try:
+        return args.func(args) or 0
+    except FAT5Error as error:
+        print(f"fat5 {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fat5 {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -110,46 +110,18 @@ class FAT5Config(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size: int = 32128,
-        d_model: int = 512,
-        d_kv: int = 64,
-        d_ff: int = 2048,
-        num_layers: int = 6,
-        num_decoder_layers: int | None = None,
-        num_heads: int = 8,
-        relative_attention_num_buckets: int = 32,
-        relative_attention_max_distance: int = 128,
-        dropout_rate: float = 0.1,
-        layer_norm_epsilon: float = 1e-6,
-        initializer_factor: float = 1.0,
-        feed_forward_proj: str = "relu",
-        tie_word_embeddings: bool = True,
-        scale_decoder_outputs: bool | None = None,
-        classifier_dropout: float = 0.0,
-        encoder_only_heads: bool = False,
-        is_encoder_decoder: bool = True,
-        use_cache: bool = True,
-        pad_token_id: int = 0,
-        eos_token_id: int = 1,
-        decoder_start_token_id: int = 0,
-        position_encoding: str = "t5",
-        position_bias_per_layer: bool = False,
-        attention_backend: str = "auto",
-        attention_scale: float | None = 1.0,
-        attention_dropout_rate: float = 0.0,
-        z_loss: float = 0.0,
-        label_smoothing: float = 0.0,
-        use_fused_cross_entropy: bool = True,
-        use_chunked_lm_loss: bool = False,
-        use_fused_rms_norm: bool = True,
-        use_fused_activation: bool = True,
-        rope_theta: float = 10000.0,
-        fire_mlp_width: int = 32,
-        fire_init_c: float = 0.1,
-        fire_init_threshold: float = 512.0,
-        initialization: str = "t5x",
-        graphed_decoding: str = "auto",
-        **kwargs,
+        vocab_size: int = 32128, d_model: int = 512, d_kv: int = 64, d_ff: int = 2048, num_layers: int = 6,
+        num_decoder_layers: int | None = None, num_heads: int = 8, relative_attention_num_buckets: int = 32,
+        relative_attention_max_distance: int = 128, dropout_rate: float = 0.1, layer_norm_epsilon: float = 1e-6,
+        initializer_factor: float = 1.0, feed_forward_proj: str = "relu", tie_word_embeddings: bool = True,
+        scale_decoder_outputs: bool | None = None, classifier_dropout: float = 0.0, encoder_only_heads: bool = False,
+        is_encoder_decoder: bool = True, use_cache: bool = True, pad_token_id: int = 0, eos_token_id: int = 1,
+        decoder_start_token_id: int = 0, position_encoding: str = "t5", position_bias_per_layer: bool = False,
+        attention_backend: str = "auto", attention_scale: float | None = 1.0, attention_dropout_rate: float = 0.0,
+        z_loss: float = 0.0, label_smoothing: float = 0.0, use_fused_cross_entropy: bool = True,
+        use_chunked_lm_loss: bool = False, use_fused_rms_norm: bool = True, use_fused_activation: bool = True,
+        rope_theta: float = 10000.0, fire_mlp_width: int = 32, fire_init_c: float = 0.1,
+        fire_init_threshold: float = 512.0, initialization: str = "t5x", graphed_decoding: str = "auto", **kwargs,
     ):
         self.vocab_size = vocab_size
         self.d_model = d_model
@@ -187,14 +159,9 @@ class FAT5Config(PretrainedConfig):
         self.graphed_decoding = graphed_decoding
         # transformers passes `is_decoder` when it builds the decoder stack's copy of the config
         kwargs.setdefault("is_decoder", False)
-        super().__init__(
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            decoder_start_token_id=decoder_start_token_id,
-            is_encoder_decoder=is_encoder_decoder,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                         decoder_start_token_id=decoder_start_token_id, is_encoder_decoder=is_encoder_decoder,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
         self._validate()
 
     @property

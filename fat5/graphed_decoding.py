@@ -48,10 +48,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .kernels.activation import gated_activation
 from .kernels.attention import attention
 from .kernels.dispatch import use_triton
-from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
+from .kernels.position_bias import NO_POSITION_BIAS, PositionBias
 from .kernels.rms_norm import rms_norm
-from .kernels.rotary import apply_rotary
-from .modeling_fat5 import clamp_fp16
+from .position_encoding import LENGTH_FREE_ENCODINGS, StackPositionEncoding, clamp_fp16, length_free_biases
 
 MAX_KEPT_GRAPHS = 4
 HOST_CHECK_EVERY = 16
@@ -109,8 +108,8 @@ def unsupported_model_reason(model) -> str | None:
     config = model.config
     if config.num_decoder_layers == 0:
         return "no decoder layers"
-    if config.position_encoding not in _POSITION_ENCODINGS:
-        return f"position_encoding={config.position_encoding!r} (supported: {_POSITION_ENCODINGS})"
+    if config.position_encoding not in LENGTH_FREE_ENCODINGS:
+        return f"position_encoding={config.position_encoding!r} (supported: {LENGTH_FREE_ENCODINGS})"
     if any(type(module) is not nn.Linear or module.bias is not None for module in _projections(model)):
         return "a decoder projection is not a plain bias-free nn.Linear (an adapter such as LoRA wraps it)"
     if type(model.decoder.embed_tokens) is not nn.Embedding:
@@ -172,6 +171,7 @@ class _DecoderWeights:
     final_norm: torch.Tensor  # times d_model**-0.5 when the head's input is scaled (tied embeddings)
     lm_head: torch.Tensor
     position_bias: list[PositionBias]
+    position_encoding: StackPositionEncoding  # every layer's rotation: RoPE's, or none
     t5_bias_rows: list[torch.Tensor | None]
     # the modules' own choices, which later edits of the config do not change
     norm_backend: str
@@ -188,7 +188,9 @@ class _DecoderWeights:
         final_norm = model.decoder.final_layer_norm.weight
         if config.scale_decoder_outputs:
             final_norm = final_norm * model.model_dim**-0.5
-        position_bias = _position_biases(model, self_attentions)
+        position_bias = length_free_biases([attention_.stack_position_encoding for attention_ in self_attentions],
+                                           [attention_.own_position_parameters() for attention_ in self_attentions],
+                                           model.lm_head.weight.device)
         attention_backend = self_attentions[0].backend
         return _DecoderWeights(
             embedding=model.decoder.embed_tokens.weight,
@@ -203,6 +205,7 @@ class _DecoderWeights:
             final_norm=final_norm,
             lm_head=model.lm_head.weight,
             position_bias=position_bias,
+            position_encoding=self_attentions[0].stack_position_encoding,
             t5_bias_rows=_t5_bias_rows(attention_backend, position_bias),
             norm_backend=model.decoder.final_layer_norm.backend,
             attention_backend=attention_backend,
@@ -214,24 +217,6 @@ def _feed_forward_input(feed_forward) -> torch.Tensor:
     if hasattr(feed_forward, "wi"):
         return feed_forward.wi.weight
     return torch.stack((feed_forward.wi_0.weight, feed_forward.wi_1.weight)).transpose(1, 2)
-
-
-def _position_biases(model, self_attentions) -> list[PositionBias]:
-    """Each decoder layer's self-attention bias: the first layer's T5 table for all (each its own with
-    ``position_bias_per_layer``), ALiBi's slopes, or none (RoPE rotates q and k instead)."""
-    config = model.config
-    if config.position_encoding == "t5":
-        owners = self_attentions if config.position_bias_per_layer else self_attentions[:1]
-        biases = [
-            PositionBias.t5(owner.relative_attention_bias.weight, bidirectional=False,
-                            max_distance=config.relative_attention_max_distance)
-            for owner in owners
-        ]
-        return biases if config.position_bias_per_layer else biases * len(self_attentions)
-    if config.position_encoding == "alibi":
-        slopes = PositionBias.alibi(alibi_slopes(config.num_heads).to(model.lm_head.weight.device))
-        return [slopes] * len(self_attentions)
-    return [NO_POSITION_BIAS] * len(self_attentions)
 
 
 def _t5_bias_rows(backend: str, position_biases: list[PositionBias]) -> list[torch.Tensor | None]:
@@ -272,11 +257,10 @@ def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.T
     normed = _norm(config, weights, hidden_states, weights.norms[layer][0])
     query_key_value = nn.functional.linear(normed, weights.query_key_value[layer]).view(batch, 3, heads, 1, head_dim)
     query, key_value = query_key_value[:, 0], query_key_value[:, 1:].transpose(0, 1)
-    if config.position_encoding == "rope":
+    if weights.position_encoding.rotates:  # else the key is written to the cache as it is, without a copy
         position_ids = buffers.position.view(1, 1)
-        query = apply_rotary(query, position_ids, config.rope_theta, backend=weights.attention_backend)
-        key = apply_rotary(key_value[0], position_ids, config.rope_theta, backend=weights.attention_backend)
-        key_value = torch.stack((key, key_value[1]))
+        query = weights.position_encoding.rotate(query, position_ids)
+        key_value = torch.stack((weights.position_encoding.rotate(key_value[0], position_ids), key_value[1]))
     cache = buffers.self_cache[layer]
     cache.index_copy_(3, buffers.position, key_value)
     output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer],

@@ -38,9 +38,9 @@ from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen, attention_with_probabilities
 from .kernels.cross_entropy import cross_entropy
 from .kernels.linear_cross_entropy import linear_cross_entropy
-from .kernels.position_bias import NO_POSITION_BIAS, PositionBias, alibi_slopes
+from .kernels.position_bias import PositionBias
 from .kernels.rms_norm import rms_norm
-from .kernels.rotary import apply_rotary
+from .position_encoding import FAT5FIRE, StackPositionEncoding, clamp_fp16
 from .token_layout import TokenLayout
 
 logger = logging.get_logger(__name__)
@@ -76,18 +76,6 @@ def _given_cache(cache, past_key_values, owner):
     if cache is None or (past_key_values is not None and cache.get_seq_length() == 0):
         return past_key_values if past_key_values is not None else cache
     return cache
-
-
-def clamp_fp16(hidden_states: torch.Tensor) -> torch.Tensor:
-    # T5 overflows in fp16; transformers clamps after each sub-layer and so do we, for identical outputs
-    if hidden_states.dtype != torch.float16:
-        return hidden_states
-    clamp_value = torch.where(
-        torch.isinf(hidden_states).any(),
-        torch.finfo(hidden_states.dtype).max - 1000,
-        torch.finfo(hidden_states.dtype).max,
-    )
-    return torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
 
 
 class FAT5LayerNorm(nn.Module):
@@ -194,101 +182,6 @@ def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerN
     )
 
 
-class FAT5FIRE(nn.Module):
-    """FIRE (Li et al., 2024): a learned bias ``MLP(psi(|j - i|) / psi(max(L, i + 1)))``, ``psi(x) = log(c x + 1)``.
-
-    ``c`` and the length threshold ``L`` are learned. Bidirectional attention feeds the distances before and after
-    the query as two separate inputs, so the MLP can tell the directions apart.
-    """
-
-    # the order in which the first block hands these parameters on to the blocks that share them
-    PARAMETER_NAMES = ("c", "threshold", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
-
-    def __init__(self, config: FAT5Config, bidirectional: bool):
-        super().__init__()
-        self.bidirectional = bidirectional
-        self.mlp = nn.Sequential(
-            nn.Linear(2 if bidirectional else 1, config.fire_mlp_width),
-            nn.ReLU(),
-            nn.Linear(config.fire_mlp_width, config.num_heads),
-        )
-        # one-element vectors rather than scalars: FSDP cannot shard a 0-dimensional parameter
-        self.c = nn.Parameter(torch.tensor([float(config.fire_init_c)]))
-        self.threshold = nn.Parameter(torch.tensor([float(config.fire_init_threshold)]))
-
-    def forward(self, query_length: int, key_length: int, query_offset: int = 0) -> torch.Tensor:
-        """The (heads, query_length, key_length) bias."""
-        return fire_bias(dict(self.named_parameters()), self.bidirectional, query_length, key_length, query_offset)
-
-
-def fire_bias(parameters: dict, bidirectional: bool, query_length: int, key_length: int, query_offset: int = 0):
-    """FIRE's (heads, query_length, key_length) bias from the parameters of a :class:`FAT5FIRE`, by name."""
-    c = parameters["c"]
-    query_position = torch.arange(query_length, device=c.device, dtype=torch.float32)[:, None] + query_offset
-    relative = torch.arange(key_length, device=c.device, dtype=torch.float32)[None, :] - query_position
-    c = c.float().abs()
-    normaliser = torch.log(c * torch.maximum(query_position + 1, parameters["threshold"].float().abs()) + 1)
-    distance = torch.log(c * relative.abs() + 1) / normaliser
-    if bidirectional:
-        features = torch.stack((distance * (relative <= 0), distance * (relative > 0)), dim=-1)
-    else:
-        features = distance[..., None]
-    hidden = nn.functional.linear(
-        features.to(parameters["mlp.0.weight"].dtype), parameters["mlp.0.weight"], parameters["mlp.0.bias"]
-    )
-    bias = nn.functional.linear(nn.functional.relu(hidden), parameters["mlp.2.weight"], parameters["mlp.2.bias"])
-    return bias.permute(2, 0, 1)
-
-
-class StackPositionEncoding:
-    """A self-attention layer's position encoding, and the parameters of it that travel along the stack.
-
-    T5's bucket table and FIRE's MLP belong to the first block's self-attention (to every block's with
-    ``position_bias_per_layer``) and serve the later blocks too. They travel as the stack's *position parameters*: a
-    tuple of tensors in the order of ``parameter_names``, which each block takes as arguments and gives back as
-    outputs (``FAT5Block.forward`` says why), copies of the first block's parameters rather than the parameters (see
-    ``FAT5Attention._position_bias``). ALiBi's slopes are fixed and RoPE rotates q and k before the kernel: neither
-    has parameters that travel, and RoPE adds no bias. Cross-attention has no position encoding (``kind="none"``).
-    """
-
-    # by their names in the module that owns them (``relative_attention_bias`` or ``fire``)
-    PARAMETER_NAMES: ClassVar[dict[str, tuple[str, ...]]] = {"t5": ("weight",), "fire": FAT5FIRE.PARAMETER_NAMES}
-
-    def __init__(self, kind: str, num_heads: int, bidirectional: bool, max_distance: int):
-        self.kind = kind
-        self.num_heads = num_heads
-        self.bidirectional = bidirectional
-        self.max_distance = max_distance
-        self.parameter_names = self.PARAMETER_NAMES.get(kind, ())
-        self._alibi_slopes = None
-
-    def parameters_of(self, owner: nn.Module) -> tuple[torch.Tensor, ...]:
-        """The position parameters of ``owner`` (a ``relative_attention_bias`` or a ``fire``), in travelling order."""
-        own = dict(owner.named_parameters())
-        return tuple(own[name] for name in self.parameter_names)
-
-    def bias(self, parameters: tuple[torch.Tensor, ...], query_length: int, key_length: int, query_offset: int,
-             device: torch.device) -> PositionBias:
-        """What the attention kernels add to the scores at these lengths: T5's bucket table, FIRE's bias evaluated
-        for them, ALiBi's slopes, nothing for RoPE (applied to q and k beforehand) or without position encoding."""
-        if len(parameters) != len(self.parameter_names):
-            raise ValueError(
-                f"{self.kind!r} position encoding needs its {len(self.parameter_names)} position parameters "
-                f"{self.parameter_names} (a block that owns none receives the first block's), got {len(parameters)}"
-            )
-        if self.kind == "t5":
-            return PositionBias.t5(parameters[0], bidirectional=self.bidirectional, max_distance=self.max_distance)
-        if self.kind == "fire":
-            named = dict(zip(self.parameter_names, parameters))
-            return PositionBias.explicit(fire_bias(named, self.bidirectional, query_length, key_length, query_offset))
-        if self.kind == "alibi":
-            # made once per device: a host-to-device copy in every call would stall the step
-            if self._alibi_slopes is None or self._alibi_slopes.device != device:
-                self._alibi_slopes = alibi_slopes(self.num_heads).to(device)
-            return PositionBias.alibi(self._alibi_slopes)
-        return NO_POSITION_BIAS
-
-
 class FAT5Attention(nn.Module):
     """Self- or cross-attention with T5's projections; the position encoding is applied inside the kernel."""
 
@@ -314,10 +207,12 @@ class FAT5Attention(nn.Module):
         self.scale = config.effective_attention_scale
         self.dropout = config.attention_dropout_rate
         self.backend = config.attention_backend
-        self.rope_theta = config.rope_theta
-        self.has_relative_attention_bias = has_relative_attention_bias and self.position_encoding in ("t5", "fire")
+        self.has_relative_attention_bias = (
+            has_relative_attention_bias and self.position_encoding in StackPositionEncoding.PARAMETER_NAMES
+        )
         self.stack_position_encoding = StackPositionEncoding(
-            self.position_encoding, self.n_heads, not is_decoder, self.relative_attention_max_distance
+            self.position_encoding, self.n_heads, not is_decoder, self.relative_attention_max_distance,
+            config.rope_theta, self.backend,
         )
 
         self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
@@ -336,9 +231,12 @@ class FAT5Attention(nn.Module):
         layers = past_key_values.self_attention_cache.layers
         return self.layer_idx < len(layers) and getattr(layers[self.layer_idx], "is_compileable", False)
 
-    def _rotate(self, states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # states: (batch, heads, length, head_dim); position_ids: (batch, length)
-        return apply_rotary(states, position_ids, self.rope_theta, backend=self.backend)
+    def own_position_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The stack's position parameters when this layer owns them (see :class:`StackPositionEncoding`), else ()."""
+        if not self.has_relative_attention_bias:
+            return ()
+        owner = self.relative_attention_bias if self.position_encoding == "t5" else self.fire
+        return self.stack_position_encoding.parameters_of(owner)
 
     def forward(
         self,
@@ -357,8 +255,7 @@ class FAT5Attention(nn.Module):
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
         query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
-        if self.position_encoding == "rope":
-            query = self._rotate(query, layout.position_ids)
+        query = self.stack_position_encoding.rotate(query, layout.position_ids)
         key, value = self._keys_values(hidden_states, key_value_states, key_value_layout, past_key_values)
 
         query_offset = 0 if self.is_cross_attention else layout.query_offset
@@ -391,8 +288,7 @@ class FAT5Attention(nn.Module):
         kv_shape = (source.shape[0], source.shape[1], self.n_heads, self.key_value_proj_dim)
         key = self.k(source).view(kv_shape).transpose(1, 2)
         value = self.v(source).view(kv_shape).transpose(1, 2)
-        if self.position_encoding == "rope":
-            key = self._rotate(key, key_value_layout.position_ids)
+        key = self.stack_position_encoding.rotate(key, key_value_layout.position_ids)
         if past_key_values is None:
             return key, value
         if self.is_cross_attention:
@@ -405,9 +301,9 @@ class FAT5Attention(nn.Module):
         """This layer's PositionBias, and the position parameters that it passes on to the later layers: copies of
         its own when it owns some, else those it received (``position_parameters``)."""
         encoding = self.stack_position_encoding
-        if not self.has_relative_attention_bias:
+        own = self.own_position_parameters()
+        if not own:
             return encoding.bias(position_parameters, *position_lengths, device), position_parameters
-        own = encoding.parameters_of(self.relative_attention_bias if self.position_encoding == "t5" else self.fire)
         # copies, not the parameters: under FSDP this block's parameters are sharded again once it has run, and a
         # copy's backward needs no parameter values, only adds its gradient to them
         return encoding.bias(own, *position_lengths, device), tuple(parameter.clone() for parameter in own)
@@ -828,6 +724,56 @@ def _register_with_peft() -> None:
 
 
 class FAT5PreTrainedModel(PreTrainedModel):
+    """The base of every FAT5 model: transformers' loading and saving, and the first draw of the weights.
+
+    A fresh model is drawn as T5X's (``config.initialization="t5x"``, the default) or transformers' T5's
+    (``"transformers"``) is, by ``_init_weights``. The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
+    ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
+    ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
+    ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
+
+    ======================== ================================================= ============================
+    weight                   T5X (``"t5x"``)                                   transformers' T5
+    ======================== ================================================= ============================
+    shared (token embedding) normal, 1 (``Embed``, ``normal(stddev=1.0)``)     normal, 1
+    q                        normal, (d_model * d_kv)**-0.5                    the same
+    k, v                     normal, d_model**-0.5                             the same
+    o                        normal, (num_heads * d_kv)**-0.5                  the same
+    wi, wi_0, wi_1           truncated normal, d_model**-0.5                   normal, d_model**-0.5
+    wo                       truncated normal, d_ff**-0.5                      normal, d_ff**-0.5
+    relative_attention_bias  uniform, (2 / (num_buckets + num_heads))**0.5     normal, d_model**-0.5
+    untied lm_head           truncated normal, d_model**-0.5                   normal, 1
+    tied lm_head             the embedding's; logits / sqrt(d_model)           the same
+    RMS norm weights         1                                                 1
+    ======================== ================================================= ============================
+
+    - q, k, v, o: ``MultiHeadDotProductAttention``'s ``variance_scaling(1.0, 'fan_in', 'normal')``, fan-in d_model
+      (o: num_heads * d_kv). T5 does not scale q·k by 1/sqrt(d_kv): T5X folds it into q's draw (``query_init =
+      kernel_init / sqrt(head_dim)``), hence (d_model * d_kv)**-0.5, which transformers draws too.
+    - wi, wo and the untied head (``logits_dense``): ``DenseGeneral`` and ``MlpBlock``'s ``variance_scaling(1.0,
+      'fan_in', 'truncated_normal')``, JAX's truncated normal: cut at two standard deviations of a normal whose
+      standard deviation is divided by 0.8796 first, so that the drawn values keep d_model**-0.5 (d_ff**-0.5).
+      transformers draws the same spreads untruncated, except its untied head: std 1 (``initializer_factor``),
+      logits of std about sqrt(d_model) that the first hundreds of steps spend shrinking; T5X's fan-in head starts
+      the loss near ln(vocab_size). This is the difference that matters.
+    - relative_attention_bias: ``Encoder`` and ``Decoder`` give ``relpos_bias`` ``variance_scaling(1.0,
+      'fan_avg', 'uniform')`` over its (num_heads, num_buckets) table: Glorot's uniform, bound (6 / (num_buckets +
+      num_heads))**0.5, about 0.39 for T5's 32 buckets and 8 heads where transformers' std is 0.044 (d_model 512).
+    - Tied head: T5X's ``logits_via_embedding`` divides the logits by sqrt(d_model); FAT5 scales the decoder
+      output by d_model**-0.5 (``scale_decoder_outputs``, on by default when tied), as transformers does. A tied
+      head without that scaling starts with logits of std about sqrt(d_model) under either draw: the embedding is
+      also the input, so no draw can fix it.
+    - Heads that T5X lacks. ``"t5x"`` gives them ``DenseGeneral``'s fan-in draw: truncated normal, d_model**-0.5
+      for the sequence classification head's dense and out_proj, the token classifier and qa_outputs.
+      ``"transformers"`` gives transformers' T5 draws: normal, d_model**-0.5 for all but the token classifier
+      (std 1). Biases are zero under both.
+    - FIRE (neither reference has it): its MLP is drawn by Glorot's uniform (biases zero), ``c`` and ``threshold``
+      start at ``fire_init_c`` and ``fire_init_threshold``, under both. ALiBi's slopes are fixed and RoPE has no
+      parameter: nothing to draw.
+    - ``initializer_factor`` multiplies every standard deviation above (and the norms' 1), FIRE's MLP aside; at
+      1.0, its default, the draws are the references'.
+    """
+
     config_class = FAT5Config
     config: FAT5Config
     base_model_prefix = "transformer"
@@ -907,53 +853,7 @@ class FAT5PreTrainedModel(PreTrainedModel):
         alone: loading and conversion never draw a loaded weight, whatever the setting. Each Linear and Embedding
         draws its own weight, once, with the init spread of its place in the model (``_init_spread_of``), so that a
         direct call on one (transformers' ``resize_token_embeddings`` builds the new head outside the model and calls
-        this on it) and a whole-model pass agree.
-
-        The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
-        ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
-        ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
-        ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
-
-        ======================== ================================================= ============================
-        weight                   T5X (``"t5x"``)                                   transformers' T5
-        ======================== ================================================= ============================
-        shared (token embedding) normal, 1 (``Embed``, ``normal(stddev=1.0)``)     normal, 1
-        q                        normal, (d_model * d_kv)**-0.5                    the same
-        k, v                     normal, d_model**-0.5                             the same
-        o                        normal, (num_heads * d_kv)**-0.5                  the same
-        wi, wi_0, wi_1           truncated normal, d_model**-0.5                   normal, d_model**-0.5
-        wo                       truncated normal, d_ff**-0.5                      normal, d_ff**-0.5
-        relative_attention_bias  uniform, (2 / (num_buckets + num_heads))**0.5     normal, d_model**-0.5
-        untied lm_head           truncated normal, d_model**-0.5                   normal, 1
-        tied lm_head             the embedding's; logits / sqrt(d_model)           the same
-        RMS norm weights         1                                                 1
-        ======================== ================================================= ============================
-
-        - q, k, v, o: ``MultiHeadDotProductAttention``'s ``variance_scaling(1.0, 'fan_in', 'normal')``, fan-in d_model
-          (o: num_heads * d_kv). T5 does not scale q·k by 1/sqrt(d_kv): T5X folds it into q's draw (``query_init =
-          kernel_init / sqrt(head_dim)``), hence (d_model * d_kv)**-0.5, which transformers draws too.
-        - wi, wo and the untied head (``logits_dense``): ``DenseGeneral`` and ``MlpBlock``'s ``variance_scaling(1.0,
-          'fan_in', 'truncated_normal')``, JAX's truncated normal: cut at two standard deviations of a normal whose
-          standard deviation is divided by 0.8796 first, so that the drawn values keep d_model**-0.5 (d_ff**-0.5).
-          transformers draws the same spreads untruncated, except its untied head: std 1 (``initializer_factor``),
-          logits of std about sqrt(d_model) that the first hundreds of steps spend shrinking; T5X's fan-in head starts
-          the loss near ln(vocab_size). This is the difference that matters.
-        - relative_attention_bias: ``Encoder`` and ``Decoder`` give ``relpos_bias`` ``variance_scaling(1.0,
-          'fan_avg', 'uniform')`` over its (num_heads, num_buckets) table: Glorot's uniform, bound (6 / (num_buckets +
-          num_heads))**0.5, about 0.39 for T5's 32 buckets and 8 heads where transformers' std is 0.044 (d_model 512).
-        - Tied head: T5X's ``logits_via_embedding`` divides the logits by sqrt(d_model); FAT5 scales the decoder
-          output by d_model**-0.5 (``scale_decoder_outputs``, on by default when tied), as transformers does. A tied
-          head without that scaling starts with logits of std about sqrt(d_model) under either draw: the embedding is
-          also the input, so no draw can fix it.
-        - Heads that T5X lacks. ``"t5x"`` gives them ``DenseGeneral``'s fan-in draw: truncated normal, d_model**-0.5
-          for the sequence classification head's dense and out_proj, the token classifier and qa_outputs.
-          ``"transformers"`` gives transformers' T5 draws: normal, d_model**-0.5 for all but the token classifier
-          (std 1). Biases are zero under both.
-        - FIRE (neither reference has it): its MLP is drawn by Glorot's uniform (biases zero), ``c`` and ``threshold``
-          start at ``fire_init_c`` and ``fire_init_threshold``, under both. ALiBi's slopes are fixed and RoPE has no
-          parameter: nothing to draw.
-        - ``initializer_factor`` multiplies every standard deviation above (and the norms' 1), FIRE's MLP aside; at
-          1.0, its default, the draws are the references'.
+        this on it) and a whole-model pass agree. The draws and their references: the class docstring.
         """
         if isinstance(module, FAT5LayerNorm):
             init.constant_(module.weight, self.config.initializer_factor)

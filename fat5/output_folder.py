@@ -1,5 +1,5 @@
 """Where FAT5's commands write: one rule for ``--overwrite``, folders that appear whole or not at all, a full disk
-said in one line.
+said in one line, and the training jobs' checkpoints: which are complete, which one ``--resume`` continues from.
 
 The rule, for `fat5 convert`, `export-hf`, `bundle`, `pretrain` and `finetune` alike: ``--overwrite`` replaces
 exactly the output folder's own content, never a folder that holds the input (or the current directory), never
@@ -8,17 +8,24 @@ anything above it.
 
 import contextlib
 import errno
+import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .errors import FAT5Error
 
 # below this much free space, a write that failed without an errno (torch's zip writer says only "unexpected pos")
 # is taken for a full disk
 _NEARLY_FULL_BYTES = 64 * 2**20
+# a checkpoint is written in here, inside the run folder (same disk), and renamed to checkpoint-N once complete
+CHECKPOINT_STAGING = ".checkpoint-staging"
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def _holds(folder: Path, path: Path) -> bool:
@@ -149,8 +156,6 @@ def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, in
     ``overwrite`` or ``resume``, a folder that holds checkpoints or a model is refused, naming the flag that
     continues or replaces it; with ``overwrite`` its content is removed (by the main process) before anything runs.
     """
-    from .trainer.trainer import newest_complete_checkpoint
-
     if overwrite and resume:
         raise FAT5Error("--overwrite starts the run over and --resume continues it: pass one of them")
     out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=True, non_empty_ok=True)
@@ -187,3 +192,105 @@ def move_into(temporary: Path, out: Path) -> None:
             shutil.rmtree(target)
         os.replace(temporary / name, target)
     temporary.rmdir()
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_problem(folder) -> str | None:
+    """Why ``folder`` is no complete Trainer checkpoint (a kill or a full disk left it half-written, or a file was
+    damaged since), or None when it is complete: a readable trainer_state.json, weights whose safetensors headers
+    match their files' sizes (every shard an index names), and whole zip archives for the torch.save'd states."""
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    try:
+        json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
+    except FileNotFoundError:
+        return "no trainer_state.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer_state.json is damaged"
+    weights = []
+    for index_name in ("model.safetensors.index.json", "adapter_model.safetensors.index.json"):
+        if (folder / index_name).is_file():
+            try:
+                shards = set(json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return f"{index_name} is damaged"
+            weights += [folder / shard for shard in sorted(shards)]
+    weights += [folder / name for name in ("model.safetensors", "adapter_model.safetensors")
+                if (folder / name).is_file()]
+    if not weights and not (folder / "pytorch_model.bin").is_file():
+        return "no model weights"
+    for path in weights:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except FileNotFoundError:
+            return f"{path.name} is missing"
+        except (SafetensorError, OSError) as error:
+            return f"{path.name} is damaged ({error})"
+    for path in sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth")) + sorted(folder.glob("*.bin")):
+        if not zipfile.is_zipfile(path):
+            return f"{path.name} is damaged (not a whole torch.save archive)"
+    return None
+
+
+def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
+    """The highest-numbered complete ``checkpoint-N`` of ``run_dir`` (None when there is none), and one line for
+    each newer one skipped, saying why."""
+    run_dir = Path(run_dir)
+    found = []
+    if run_dir.is_dir():
+        for path in run_dir.iterdir():
+            match = CHECKPOINT_NAME.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+    skipped = []
+    for _, path in sorted(found, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
+
+
+def final_model_disk_full_error(run_dir: Path) -> FAT5Error:
+    """What a job says when the disk fills while its final model is written: the folder, and the checkpoint from
+    which ``--resume`` finishes the run, if one is complete."""
+    kept, _ = newest_complete_checkpoint(run_dir)
+    return disk_full_error(run_dir, "the final model was not written" + (
+        f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else ""))
+
+
+def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | None:
+    """The newest complete checkpoint of ``output_dir``, saying (with ``announce``: the main process) which and why
+    newer ones are skipped; None (a run that starts over) when there is none."""
+    checkpoint, skipped = newest_complete_checkpoint(output_dir)
+    if not announce:
+        return checkpoint
+    for reason in skipped:
+        print(f"--resume: skipping the incomplete {reason}", flush=True)
+    if checkpoint is None:
+        print(f"--resume: no complete checkpoint in {output_dir}: starting from step 0", flush=True)
+    else:
+        print(f"--resume: continuing from {checkpoint}", flush=True)
+    return checkpoint
+
+
+def resume_hint(command: str, output_dir) -> str:
+    """What to run to continue an interrupted job whose output folder is ``output_dir``."""
+    checkpoint, _ = newest_complete_checkpoint(output_dir)
+    if checkpoint is None:
+        return f"no checkpoint was written yet; `{command} --overwrite` starts over"
+    return f"`{command} --resume` continues from {checkpoint}"
+
+
+def fsync_files(folder: Path) -> None:
+    """Flush the files of ``folder`` to disk, so that after a power cut the renamed checkpoint holds its data."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())

@@ -59,8 +59,8 @@ DTYPE_SPELLINGS = [("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "flo
 def test_every_dtype_spelling_is_taken_by_every_dtype_option(spelling, name, tmp_path):
     """The README's `--dtype bf16` works: the short and the torch names alike, in `fat5 convert` / `export-hf`
     flags and in a finetuning config's `dtype` field."""
-    from fat5.cli import build_parser
     from fat5.trainer.finetune_config import load_finetune_config
+    from fat5_command import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["convert", "src", "out", "--dtype", spelling]).dtype == name
@@ -213,8 +213,7 @@ def test_help_and_version_do_not_import_torch(arguments):
 
 def test_the_quick_help_is_the_full_parsers_help(capsys):
     """The help the entry answers alone is the one the full parser would give: the two cannot drift apart."""
-    from fat5.cli import build_parser
-    from fat5_command import top_level_parser
+    from fat5_command import build_parser, top_level_parser
 
     assert top_level_parser().format_help() == build_parser().format_help()
 

@@ -5,7 +5,6 @@ Every source checkpoint is a tiny randomly initialised model made and saved by t
 with "tie_word_embeddings": false, or the legacy layout with every alias of the embedding stored).
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -16,9 +15,9 @@ from helpers import FAMILIES, PREFIX, TINY, make_checkpoint, padded_seq2seq_batc
 from safetensors.torch import load_file, save_file
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
-from fat5.commands.convert import add_convert_commands
 from fat5.conversion import ConversionError, convert, export_hf
 from fat5.errors import FAT5Error
+from fat5_command import build_parser
 
 
 def reference_model(folder: Path, model_type: str, suffix: str, scale: bool):
@@ -395,8 +394,7 @@ def test_unreachable_hub_and_bad_paths(tmp_path, monkeypatch):
 
 
 def test_command_line_handlers(converted, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="fat5")
-    add_convert_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()
     source, out, _ = converted["flan-t5"]
     args = parser.parse_args(["convert", str(source), str(tmp_path / "cli"), "--dtype", "float32"])
     assert args.func(args) == 0

@@ -36,7 +36,7 @@ def _check_after_kill(run_dir: Path, before: set[str], new: str) -> dict:
     one a resume picks loads."""
     from safetensors.torch import load_file
 
-    from fat5.trainer.trainer import CHECKPOINT_STAGING, checkpoint_problem, newest_complete_checkpoint
+    from fat5.output_folder import CHECKPOINT_STAGING, checkpoint_problem, newest_complete_checkpoint
 
     present = {path.name for path in run_dir.glob("checkpoint-*")}
     problems = {name: checkpoint_problem(run_dir / name) for name in present}

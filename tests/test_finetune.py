@@ -4,7 +4,6 @@ Everything runs a tiny FAT5 model (built by `make_tiny_model`, with a BPE tokeni
 a few steps on the CPU, on tests/data/shakespeare_speeches.jsonl (64 speeches; see tests/data/make_finetune_data.py).
 """
 
-import argparse
 import json
 import os
 import runpy
@@ -22,7 +21,6 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 import fat5
 from fat5 import FAT5Error
-from fat5.commands.finetune import add_finetune_command
 from fat5.testing import make_tiny_model
 from fat5.trainer.finetune import finetune, prepare_finetune, run_finetune
 from fat5.trainer.finetune_config import load_finetune_config
@@ -35,6 +33,7 @@ from fat5.trainer.metrics import (
     split_sentences,
     token_classification_metric,
 )
+from fat5_command import build_parser
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -649,8 +648,7 @@ def test_example_configs_run(name, tiny_model, tmp_path, monkeypatch):
 
 
 def test_finetune_command(tiny_model, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="fat5")
-    add_finetune_command(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()
     config = seq2seq_config(tiny_model, tmp_path / "from-file", validation=False)
     path = write(tmp_path / "config.yaml", json.dumps(config))  # JSON is YAML
     args = parser.parse_args(["finetune", str(path), "--output-dir", str(tmp_path / "run"),

@@ -17,10 +17,11 @@ from huggingface_hub import ModelCard
 
 import fat5
 from fat5 import FAT5ForConditionalGeneration, FAT5Model
-from fat5.commands.hub import add_hub_commands
+from fat5.commands.convert import convert_to_hub_folder
 from fat5.conversion import convert
 from fat5.errors import FAT5Error
 from fat5.hub_upload import BundleError, bundle, flatten_remote_code
+from fat5_command import build_parser
 
 bundle_module = sys.modules["fat5.hub_upload.bundle"]
 
@@ -58,7 +59,8 @@ def test_bundle_layout_and_card(bundled, converted_dir):
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "fat5_conversion.json"} <= names
     assert {"spiece.model", "tokenizer_config.json"} <= names
-    expected_code = {"configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py"} | {
+    expected_code = {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                     "graphed_decoding.py"} | {
         p.name for p in (Path(fat5.__file__).parent / "kernels").glob("*.py") if p.name != "__init__.py"
     }
     assert {n for n in names if n.endswith(".py")} == expected_code
@@ -84,7 +86,7 @@ def test_card_of_a_hub_conversion_names_its_base_model_and_licence(tmp_path, mon
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# mT5\n")
     checkpoint = sys.modules["fat5.conversion.checkpoint"]
     monkeypatch.setattr(checkpoint, "_download_from_hub", lambda repo_id, revision: source)
-    result = convert("google/mt5-small", tmp_path / "out", bundle=True)
+    result = convert_to_hub_folder("google/mt5-small", tmp_path / "out")
     assert (result.source, result.repo_id) == ("google/mt5-small", "google/mt5-small")
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert (card.data.base_model, card.data.license) == ("google/mt5-small", "apache-2.0")
@@ -339,6 +341,9 @@ def _write_package(root: Path, files: dict[str, str]) -> Path:
 FAKE_PACKAGE = {
     "configuration_fat5.py": "class FAT5Config:\n    value = 3\n",
     "token_layout.py": "class TokenLayout:\n    pass\n",
+    "position_encoding.py": (
+        "from .configuration_fat5 import FAT5Config\n\n\ndef offset():\n    return FAT5Config.value\n"
+    ),
     "graphed_decoding.py": "from .kernels.dispatch import pick\n\n\ndef decode():\n    return pick()\n",
     "modeling_fat5.py": (
         "from .configuration_fat5 import FAT5Config\n"
@@ -367,8 +372,8 @@ FAKE_PACKAGE = {
 
 def test_flatten_rewrites_relative_imports_and_the_result_runs(tmp_path):
     flat = flatten_remote_code(_write_package(tmp_path / "fat5", FAKE_PACKAGE))
-    assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py",
-                         "dispatch.py", "helper.py", "attention.py"}
+    assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                         "graphed_decoding.py", "dispatch.py", "helper.py", "attention.py"}
     assert "from .dispatch import pick" in flat["graphed_decoding.py"]
     assert "from .attention import attend" in flat["modeling_fat5.py"]
     assert "from .dispatch import pick" in flat["attention.py"]
@@ -401,10 +406,8 @@ def test_flatten_rejects_what_cannot_ship(tmp_path, file, text, message):
 
 
 def test_bundle_command_line(converted_dir, tmp_path, capsys):
-    import argparse
 
-    parser = argparse.ArgumentParser(prog="fat5")
-    add_hub_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()
     args = parser.parse_args(["bundle", str(converted_dir), str(tmp_path / "out"), "--no-validate"])
     assert args.func(args) == 0
     assert "auto_map" in json.loads((tmp_path / "out" / "config.json").read_text())

@@ -16,9 +16,10 @@ from urllib.parse import urlsplit
 import pytest
 from helpers import make_checkpoint
 
-from fat5.commands.hub import add_hub_commands
+from fat5.commands.convert import convert_to_hub_folder
 from fat5.conversion import convert
 from fat5.hub_upload import PushError, bundle, push
+from fat5_command import build_parser
 
 push_module = sys.modules["fat5.hub_upload.push"]
 
@@ -283,7 +284,7 @@ def test_unreachable_hub(hub, folders, monkeypatch):
 
 def test_convert_bundle_and_push_in_one_call(hub, tmp_path):
     source = make_checkpoint(tmp_path / "src", "flan-t5")
-    result = convert(source, tmp_path / "out", push_to="someone/fat5-flan")
+    result = convert_to_hub_folder(source, tmp_path / "out", push_to="someone/fat5-flan")
     assert result.output == tmp_path / "out"
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "AutoModelForSeq2SeqLM" in config["auto_map"]
@@ -296,7 +297,7 @@ def test_convert_push_without_token_fails_before_converting(hub, tmp_path, monke
     monkeypatch.delenv("HF_TOKEN")
     source = make_checkpoint(tmp_path / "src", "t5")
     with pytest.raises(PushError, match="no Hugging Face token"):
-        convert(source, tmp_path / "out", push_to="someone/fat5-t5")
+        convert_to_hub_folder(source, tmp_path / "out", push_to="someone/fat5-t5")
     assert not (tmp_path / "out").exists() and hub.requests == []
 
 
@@ -308,11 +309,9 @@ def test_convert_from_a_hub_id_the_hub_does_not_have(hub, tmp_path):
 
 
 def test_push_command_line(hub, folders, capsys):
-    import argparse
 
     converted, bundled = folders
-    parser = argparse.ArgumentParser(prog="fat5")
-    add_hub_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser()
     args = parser.parse_args(
         [
             "push",

@@ -27,16 +27,14 @@ NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only", "--merge")
 RESULTS_FOLDER = Path("runs") / "bench"
 
 
-def add_bench_command(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="run one of the benchmarks (model, attention, cross-entropy, rms-norm, distributed, ...)",
-        description="Run benchmarks/NAME.py of FAT5's source checkout with the arguments that follow; "
+def configure_bench(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run benchmarks/NAME.py of FAT5's source checkout with the arguments that follow; "
         "`fat5 bench NAME --help` shows the script's own options. The result goes to a new file, "
         f"{RESULTS_FOLDER}/NAME-YYYYMMDD-HHMMSS.json under the checkout, unless `--out FILE` says where (the "
         "measured runs the README quotes are kept in benchmarks/results/, which `fat5 bench` never overwrites "
         "unless given that path). Without CUDA, only collator runs as is; distributed, finetune, generation, "
-        "generation-profile and pretrain take --tiny for a CPU check of their path; the others need a GPU.",
+        "generation-profile and pretrain take --tiny for a CPU check of their path; the others need a GPU."
     )
     parser.add_argument("benchmark", metavar="NAME", help=f"one of: {', '.join(benchmark_names()) or '(none found)'}")
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the script")

@@ -1,10 +1,31 @@
-"""`fat5 convert` and `fat5 export-hf`: T5-family checkpoints to FAT5 and back (`fat5.conversion`)."""
+"""`fat5 convert` and `fat5 export-hf`: T5-family checkpoints to FAT5 and back (`fat5.conversion`); `fat5 convert
+--bundle / --push` goes on to make the converted model a Hub folder and upload it (`fat5.hub_upload`)."""
 
 import argparse
 
 from ..conversion import ConversionResult, convert, export_hf
+from ..conversion.convert import DEFAULT_MAX_SHARD_SIZE, staged_conversion
 from ..conversion.verify import DEFAULT_TOLERANCE
 from ..dtypes import DTYPE_CHOICES, dtype_argument
+from ..hub_upload import bundle, push
+from ..hub_upload.push import resolve_token
+from .arguments import add_output_options, options_of
+
+
+def convert_to_hub_folder(src, out, *, push_to: str | None = None, private: bool = False, overwrite: bool = False,
+                          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, **conversion_options) -> ConversionResult:
+    """`convert(src, out, ...)` with `out` made a self-contained Hub folder (see `fat5.hub_upload.bundle`), uploaded
+    to the Hub repo `push_to` when given (`private` for a new repo)."""
+    if push_to:
+        resolve_token()  # a missing token fails now, not after the conversion
+    with staged_conversion(src, out, overwrite=overwrite, max_shard_size=max_shard_size,
+                           **conversion_options) as result:
+        bundled = bundle(result.output, out, overwrite=overwrite, repo_id=push_to, max_shard_size=max_shard_size)
+    result.output = bundled.output
+    if push_to:
+        # the bundle was just loaded in a clean process and compared with the package: no second validation
+        push(result.output, push_to, private=private, validate=False)
+    return result
 
 
 def _print_result(result: ConversionResult) -> None:
@@ -26,40 +47,25 @@ def _print_result(result: ConversionResult) -> None:
     print(f"wrote {result.output}")
 
 
+CONVERSION_OPTIONS = ("dtype", "verify", "tolerance", "overwrite", "max_shard_size")
+
+
 def _run_convert(args: argparse.Namespace) -> int:
-    result = convert(
-        args.src,
-        args.out,
-        dtype=args.dtype,
-        verify=args.verify,
-        tolerance=args.tolerance,
-        overwrite=args.overwrite,
-        revision=args.revision,
-        max_shard_size=args.max_shard_size,
-        bundle=args.bundle,
-        push_to=args.push,
-        private=args.private,
-    )
+    options = options_of(args, *CONVERSION_OPTIONS, "revision")
+    if args.bundle or args.push:
+        result = convert_to_hub_folder(args.src, args.out, push_to=args.push, private=args.private, **options)
+    else:
+        result = convert(args.src, args.out, **options)
     _print_result(result)
     return 0
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    result = export_hf(
-        args.fat5_dir,
-        args.out,
-        family=args.family,
-        dtype=args.dtype,
-        verify=args.verify,
-        tolerance=args.tolerance,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-    )
-    _print_result(result)
+    _print_result(export_hf(args.fat5_dir, args.out, **options_of(args, *CONVERSION_OPTIONS, "family")))
     return 0
 
 
-def _add_common_options(parser: argparse.ArgumentParser) -> None:
+def _add_conversion_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         type=dtype_argument,
@@ -78,48 +84,42 @@ def _add_common_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOLERANCE,
         help="largest relative error of logits / hidden states the check accepts (default %(default)g)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    add_output_options(parser, shard_help="shard the safetensors weights above this size (default %(default)s)")
+
+
+def configure_convert(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Convert a T5 v1.0, T5 v1.1, FLAN-T5, mT5 or UMT5 checkpoint (a local folder or a Hub id) into a FAT5 folder. "
+        "The result is checked against transformers' own model on a random padded batch and written only if the "
+        "logits agree; OUT appears atomically."
+    )
+    parser.add_argument("src", help="checkpoint folder, or Hub model id (e.g. google/flan-t5-base)")
+    parser.add_argument("out", help="folder to create")
+    _add_conversion_options(parser)
+    parser.add_argument("--revision", default=None, help="Hub revision when SRC is a Hub id")
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="shard the safetensors weights above this size (default %(default)s)"
-    )
-
-
-def add_convert_commands(subparsers) -> None:
-    """Register `convert` and `export-hf` on the `fat5` command's subparsers; each sets `func(args) -> int`."""
-    convert_parser = subparsers.add_parser(
-        "convert",
-        help="convert a T5 / FLAN-T5 / mT5 / UMT5 checkpoint to FAT5 (verified against transformers)",
-        description="Convert a T5 v1.0, T5 v1.1, FLAN-T5, mT5 or UMT5 checkpoint (a local folder or a Hub id) into a "
-        "FAT5 folder. The result is checked against transformers' own model on a random padded batch and written "
-        "only if the logits agree; OUT appears atomically.",
-    )
-    convert_parser.add_argument("src", help="checkpoint folder, or Hub model id (e.g. google/flan-t5-base)")
-    convert_parser.add_argument("out", help="folder to create")
-    _add_common_options(convert_parser)
-    convert_parser.add_argument("--revision", default=None, help="Hub revision when SRC is a Hub id")
-    convert_parser.add_argument(
         "--bundle", action="store_true", help="make OUT a self-contained Hub folder (remote code, auto_map, model card)"
     )
-    convert_parser.add_argument(
+    parser.add_argument(
         "--push", metavar="REPO_ID", default=None, help="bundle, then upload OUT to this Hub repo (validated first)"
     )
-    convert_parser.add_argument("--private", action="store_true", help="with --push: create the repo private")
-    convert_parser.set_defaults(func=_run_convert)
+    parser.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    parser.set_defaults(func=_run_convert)
 
-    export_parser = subparsers.add_parser(
-        "export-hf",
-        help="write a FAT5 model back as a transformers T5 / MT5 / UMT5 checkpoint",
-        description="Export a FAT5 folder (T5 position encoding only) as a checkpoint that transformers' T5, MT5 or "
-        "UMT5 classes load with the same outputs (verified).",
+
+def configure_export_hf(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Export a FAT5 folder (T5 position encoding only) as a checkpoint that transformers' T5, MT5 or UMT5 classes "
+        "load with the same outputs (verified)."
     )
-    export_parser.add_argument("fat5_dir", help="FAT5 model folder")
-    export_parser.add_argument("out", help="folder to create")
-    export_parser.add_argument(
+    parser.add_argument("fat5_dir", help="FAT5 model folder")
+    parser.add_argument("out", help="folder to create")
+    parser.add_argument(
         "--family",
         choices=("t5", "mt5", "umt5"),
         default=None,
         help="target classes (default: umt5 for a bias table per layer, else the family "
         "recorded at conversion, else t5)",
     )
-    _add_common_options(export_parser)
-    export_parser.set_defaults(func=_run_export)
+    _add_conversion_options(parser)
+    parser.set_defaults(func=_run_export)

@@ -7,16 +7,13 @@ from ..trainer import finetune as finetune_job
 from ..trainer.finetune_config import config_reference, load_finetune_config
 
 
-def add_finetune_command(subparsers) -> None:
-    """Register ``finetune`` on the `fat5` command's subparsers; it sets ``func(args) -> int``."""
-    parser = subparsers.add_parser(
-        "finetune",
-        help="finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",
-        description="Finetune the FAT5 model that CONFIG names on its dataset with FAT5Trainer, then save it (or its\n"
-        "LoRA adapter and the merged model) under output_dir. Examples: fat5/trainer/configs/finetune_*.yaml.",
-        epilog="CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n" + config_reference(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def configure_finetune(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Finetune the FAT5 model that CONFIG names on its dataset with FAT5Trainer, then save it (or its\n"
+        "LoRA adapter and the merged model) under output_dir. Examples: fat5/trainer/configs/finetune_*.yaml."
     )
+    parser.epilog = "CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n" + config_reference()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", help="YAML configuration (task, model, data, lora, training, ...)")
     parser.add_argument("--output-dir", default=None, help="where to write (overrides the config's output_dir): the "
                         "final model and tokenizer, loadable with from_pretrained(DIR), and the checkpoints")
@@ -36,7 +33,7 @@ def add_finetune_command(subparsers) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
-    from ..trainer.trainer import resume_hint
+    from ..output_folder import resume_hint
 
     try:
         result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,

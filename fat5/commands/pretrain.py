@@ -9,13 +9,9 @@ from ..output_folder import disk_full_error, is_disk_full
 from ..trainer import pretrain as pretrain_job
 
 
-def add_pretrain_command(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "pretrain",
-        help="UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
-        description=pretrain_job.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def configure_pretrain(parser: argparse.ArgumentParser) -> None:
+    parser.description = pretrain_job.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
                         f"({pretrain_job.DEFAULT_CONFIG.relative_to(pretrain_job.CONFIG_DIR.parent.parent.parent)})")
     parser.add_argument("--output-dir", default="outputs/fat5-pretrain",
@@ -29,7 +25,7 @@ def add_pretrain_command(subparsers) -> None:
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    from ..trainer.trainer import resume_hint
+    from ..output_folder import resume_hint
 
     start = time.perf_counter()
     try:

@@ -22,6 +22,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from .checkpoint import (
     read_state_dict,
     resolve_source,
 )
-from .verify import DEFAULT_TOLERANCE, check_agreement, compare_outputs
+from .verify import DEFAULT_TOLERANCE, check_agreement, check_loading_info, compare_outputs, quiet_transformers
 
 REPORT_FILE = "fat5_conversion.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -122,25 +124,6 @@ def _fat5_class(suffix: str):
     from fat5 import modeling_fat5
 
     return getattr(modeling_fat5, f"FAT5{suffix}")
-
-
-class _quiet_transformers:
-    """Silence transformers' loading progress bars and warnings (the tie notice for untied FLAN-T5, among others)."""
-
-    def __enter__(self):
-        from transformers.utils import logging
-
-        self._verbosity = logging.get_verbosity()
-        self._bars = logging.is_progress_bar_enabled()
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging
-
-        logging.set_verbosity(self._verbosity)
-        if self._bars:
-            logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------------------------- tensor mapping
@@ -289,7 +272,7 @@ def fat5_config_from_t5(raw: dict, tie_word_embeddings: bool, scale_decoder_outp
 
 def _build_model(model_class, config, tensors, unused_source_tensors=()):
     """`model_class(config)` holding `tensors` (strictly mapped by name), in fp32."""
-    with _quiet_transformers():
+    with quiet_transformers():
         model = model_class(config)
     mapped = map_state_dict(tensors, model, unused_source_tensors)
     model.load_state_dict(mapped, strict=True)
@@ -347,23 +330,15 @@ def _verify_conversion(
     source: Path, model_type: str, suffix: str, written: Path, scale: bool, dtype: torch.dtype, tolerance: float, notes
 ) -> dict:
     reference_name = FAMILY_PREFIX[model_type] + suffix
-    with _quiet_transformers():
+    with quiet_transformers():
         reference = _transformers_class(reference_name).from_pretrained(source, dtype=torch.float32)
         converted, info = _fat5_class(suffix).from_pretrained(written, dtype=torch.float32, output_loading_info=True)
-    _check_loading_info(info, written)
+    check_loading_info(info, written)
     _align_reference(reference, model_type, scale, notes)
     _round_through(reference, dtype)
     errors = compare_outputs(reference, converted, converted.config.vocab_size, seq2seq=suffix != "EncoderModel")
     check_agreement(errors, tolerance, f"transformers' {reference_name} and the converted FAT5{suffix}")
     return {**errors, "tolerance": tolerance, "reference": f"transformers.{reference_name}", "compute_dtype": "float32"}
-
-
-def _check_loading_info(info: dict, folder: Path) -> None:
-    problems = {key: value for key, value in info.items() if key != "error_msgs" and value} | (
-        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
-    )
-    if problems:
-        raise ConversionError(f"the model written to {folder} does not load back cleanly: {problems}")
 
 
 def _source_license(folder: Path) -> str | None:
@@ -407,7 +382,7 @@ def _convert_into(
     model = _build_model(_fat5_class(suffix), config, tensors, UNUSED_SOURCE_TENSORS)
     out_dtype = dtype or predominant_dtype(tensors)
     del tensors
-    with _quiet_transformers():
+    with quiet_transformers():
         model.to(out_dtype).save_pretrained(folder, max_shard_size=max_shard_size)
     del model
     copy_side_files(resolved.path, folder, config)
@@ -454,9 +429,6 @@ def convert(
     overwrite: bool = False,
     revision: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    bundle: bool = False,
-    push_to: str | None = None,
-    private: bool = False,
 ) -> ConversionResult:
     """Convert a T5 / T5 v1.1 / FLAN-T5 / mT5 / UMT5 checkpoint into a FAT5 folder at `out`.
 
@@ -471,10 +443,6 @@ def convert(
         overwrite: replace an existing non-empty `out`.
         revision: the Hub revision when `src` is a Hub id.
         max_shard_size: weights above this size are written as safetensors shards with an index.
-        bundle: make `out` a self-contained Hub folder (flattened remote code, `auto_map`, model card): see
-            `fat5.hub_upload.bundle`.
-        push_to: after bundling, upload `out` to this Hub repo id (implies `bundle`); see `fat5.hub_upload.push`.
-        private: create the pushed repo private.
 
     Returns:
         a `ConversionResult` (also written to `out/fat5_conversion.json`), with the verification's relative errors.
@@ -482,53 +450,49 @@ def convert(
     Raises:
         ConversionError (a `FAT5Error`): unreadable, inconsistent or unsupported checkpoint, failed verification.
     """
-    dtype = _parse_dtype(dtype)
-    out = Path(out).expanduser().absolute()
-    # before a Hub download or a conversion that may take minutes (a bundle is converted in a staging folder first)
-    check_output_folder(out, overwrite=overwrite)
-    resolved = resolve_source(src, revision)
-    check_output_folder(out, overwrite=overwrite, inputs=[resolved.path])
-    options = {
-        "dtype": dtype,
-        "verify": verify,
-        "tolerance": tolerance,
-        "max_shard_size": max_shard_size,
-        "source_name": resolved.repo_id or str(resolved.path),
-    }
-    if bundle or push_to:
-        return _convert_bundled(resolved, out, options, overwrite=overwrite, push_to=push_to, private=private)
+    resolved, out, options = _checked_conversion(
+        src, out, dtype=dtype, verify=verify, tolerance=tolerance, overwrite=overwrite, revision=revision,
+        max_shard_size=max_shard_size,
+    )
     with atomic_directory(out, overwrite=overwrite, inputs=[resolved.path]) as folder:
         result = _convert_into(resolved, folder, **options)
     result.output = out
     return result
 
 
-def _convert_bundled(
-    resolved: ResolvedSource, out: Path, options: dict, *, overwrite: bool, push_to: str | None, private: bool
-) -> ConversionResult:
-    """The conversion of `resolved` made a self-contained Hub folder at `out` (converted in a staging folder beside
-    it, then bundled), and pushed to `push_to` when given."""
-    from fat5.hub_upload import bundle as bundle_folder
-    from fat5.hub_upload import push
-    from fat5.hub_upload.push import resolve_token
-
-    if push_to:
-        resolve_token()  # a missing token fails now, not after the conversion
+@contextmanager
+def staged_conversion(src, out, **options) -> Iterator[ConversionResult]:
+    """`convert(src, out, **options)` for a job that makes `out` from the converted folder itself (`fat5 convert
+    --bundle`): `out` is checked as `convert` checks it, the conversion is written to a staging folder beside `out`,
+    and the result, whose `output` is that folder, is yielded; the staging folder is removed afterwards."""
+    resolved, out, conversion_options = _checked_conversion(src, out, **options)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.convert-", dir=out.parent))
     except OSError as error:
         raise ConversionError(f"cannot create a folder beside {out}: {error}") from None
     try:
-        result = _convert_into(resolved, staging, **options)
-        bundle_folder(staging, out, overwrite=overwrite, repo_id=push_to, max_shard_size=options["max_shard_size"])
+        yield _convert_into(resolved, staging, **conversion_options)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    result.output = out
-    if push_to:
-        # the bundle was just loaded in a clean process and compared with the package: no second validation
-        push(out, push_to, private=private, validate=False)
-    return result
+
+
+def _checked_conversion(src, out, *, dtype=None, verify=True, tolerance=DEFAULT_TOLERANCE, overwrite=False,
+                        revision=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE) -> tuple[ResolvedSource, Path, dict]:
+    """The source resolved, `out` (absolute) checked against it, and the options of `_convert_into`."""
+    out = Path(out).expanduser().absolute()
+    # before a Hub download that may take minutes
+    check_output_folder(out, overwrite=overwrite)
+    resolved = resolve_source(src, revision)
+    check_output_folder(out, overwrite=overwrite, inputs=[resolved.path])
+    options = {
+        "dtype": _parse_dtype(dtype),
+        "verify": verify,
+        "tolerance": tolerance,
+        "max_shard_size": max_shard_size,
+        "source_name": resolved.repo_id or str(resolved.path),
+    }
+    return resolved, out, options
 
 
 # ----------------------------------------------------------------------------------------------- FAT5 -> T5
@@ -666,7 +630,7 @@ def _transformers_model_for(fat5_config, family: str, suffix: str) -> tuple[dict
     """The raw config.json of the transformers equivalent of `fat5_config`, and that model, freshly built."""
     hf_raw = _hf_config_for(fat5_config, family, suffix)
     hf_config = _transformers_class(FAMILY_PREFIX[family] + "Config").from_dict(hf_raw)
-    with _quiet_transformers():
+    with quiet_transformers():
         target = _transformers_class(FAMILY_PREFIX[family] + suffix)(hf_config)
     if hasattr(target, "lm_head") and not fat5_config.tie_word_embeddings:
         # transformers 5 ties lm_head whatever the config says; an untied model needs its own tensor
@@ -689,12 +653,12 @@ def _write_hf_weights(target, mapped: dict, folder: Path, dtype: torch.dtype, ma
 
 def _verify_export(source, folder, family, suffix, fat5_config, dtype, tolerance) -> dict:
     reference_name = FAMILY_PREFIX[family] + suffix
-    with _quiet_transformers():
+    with quiet_transformers():
         fat5_model = _fat5_class(suffix).from_pretrained(source, dtype=torch.float32)
         exported, info = _transformers_class(reference_name).from_pretrained(
             folder, dtype=torch.float32, output_loading_info=True
         )
-    _check_loading_info(info, folder)
+    check_loading_info(info, folder)
     _align_reference(exported, family, fat5_config.scale_decoder_outputs, [])
     _round_through(fat5_model, dtype)
     errors = compare_outputs(fat5_model, exported, fat5_config.vocab_size, seq2seq=suffix != "EncoderModel")

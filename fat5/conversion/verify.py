@@ -1,4 +1,7 @@
-"""Numerical check of a conversion: both models on one random, padded batch, in fp32 on the CPU."""
+"""Numerical check of a conversion: both models on one random, padded batch, in fp32 on the CPU; and the loading
+report of a written model, which must load back with no weight missing, unexpected or mismatched."""
+
+from pathlib import Path
 
 import torch
 
@@ -83,3 +86,33 @@ def check_agreement(errors: dict, tolerance: float, what: str) -> None:
         raise ConversionError(
             f"verification failed: {what} disagree beyond the tolerance {tolerance:g} ({details}); nothing was written"
         )
+
+
+class quiet_transformers:
+    """Silence transformers' loading progress bars and warnings (the tie notice for untied FLAN-T5, among others)."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self._verbosity = logging.get_verbosity()
+        self._bars = logging.is_progress_bar_enabled()
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        logging.set_verbosity(self._verbosity)
+        if self._bars:
+            logging.enable_progress_bar()
+
+
+def check_loading_info(info: dict, folder: Path) -> None:
+    """Raise `ConversionError` unless `from_pretrained(folder, output_loading_info=True)`'s `info` is clean."""
+    from .checkpoint import ConversionError
+
+    problems = {key: value for key, value in info.items() if key != "error_msgs" and value} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
+    )
+    if problems:
+        raise ConversionError(f"the model written to {folder} does not load back cleanly: {problems}")

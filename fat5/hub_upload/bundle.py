@@ -2,9 +2,10 @@
 
 transformers loads remote code from files beside `config.json` and follows only relative imports written
 `from .name import ...` (it finds them with a regular expression, then copies `name.py` next to the module); it
-has no sub-packages. So the package's remote-code files (`configuration_fat5.py`, `modeling_fat5.py`,
-`token_layout.py` and `kernels/*.py`) become sibling files, their relative imports are rewritten to name the
-sibling, and every import of a sibling is made visible to that regular expression. A bundle is checked before it
+has no sub-packages. So the package's remote-code files (`REMOTE_CODE_ROOT_FILES`: the configuration, the
+modelling, the position encoding, the token layout and the graphed decoding; and `kernels/*.py`) become sibling
+files, their relative imports are rewritten to name the sibling, and every import of a sibling is made visible to
+that regular expression. A bundle is checked before it
 is kept: no file imports `fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh
 Python process in which neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
 """
@@ -26,7 +27,8 @@ import torch
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
-REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "token_layout.py", "graphed_decoding.py")
+REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
+                          "graphed_decoding.py")
 KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
@@ -314,14 +316,13 @@ def _in_package_outputs(folder: Path, auto_names) -> dict[str, torch.Tensor]:
     import transformers
 
     import fat5  # noqa: F401  (registers the Auto classes)
-    from fat5.conversion.convert import _quiet_transformers
-    from fat5.conversion.verify import comparison_batch
+    from fat5.conversion.verify import comparison_batch, quiet_transformers
 
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     batch = comparison_batch(int(config["vocab_size"]))
     outputs = {}
     for auto_name in auto_names:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = getattr(transformers, auto_name).from_pretrained(folder, dtype="auto").eval()
         seq2seq = "decoder_input_ids" in model.forward.__code__.co_varnames
         output = model(**(batch if seq2seq else {k: batch[k] for k in ("input_ids", "attention_mask")}))
@@ -435,9 +436,9 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
         raise BundleError(f"{model_dir}: unknown FAT5 architecture {architectures[0]!r}")
     from safetensors import SafetensorError
 
-    from fat5.conversion.convert import _check_loading_info, _quiet_transformers
+    from fat5.conversion.verify import check_loading_info, quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             model, info = model_class.from_pretrained(model_dir, dtype="auto", output_loading_info=True)
         except pickle.UnpicklingError:
@@ -449,7 +450,7 @@ def _weights_and_config(model_dir: Path, folder: Path, max_shard_size) -> tuple[
         # a truncated or corrupted weights file raises SafetensorError, which derives from none of the others
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             raise BundleError(f"{model_dir} does not load as {architectures[0]}: {error}") from None
-        _check_loading_info(info, model_dir)
+        check_loading_info(info, model_dir)
         model.save_pretrained(folder, max_shard_size=max_shard_size)
     return architectures[0], raw
 

@@ -84,7 +84,8 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
 def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
     """Train (from the newest complete checkpoint of the output folder with ``resume``), evaluate and save what
     `prepare_finetune` built; returns the paths written and the metrics."""
-    from .trainer import find_resume_checkpoint, require_full_state_dict
+    from ..output_folder import find_resume_checkpoint
+    from .trainer import require_full_state_dict
 
     trainer, output_dir = setup.trainer, Path(setup.config["output_dir"])
     require_full_state_dict(trainer)
@@ -210,7 +211,7 @@ def _inputs(config: dict) -> list[Path]:
 def _save_models(setup: FinetuneSetup, output_dir: Path) -> dict:
     """Save the trained model (or adapter, and the merged model) and the bundle; returns the folders written,
     None where not applicable. A full disk says so in one line, its half-written temporary folders removed."""
-    from .trainer import final_model_disk_full_error
+    from ..output_folder import final_model_disk_full_error
 
     try:
         return _write_models(setup, output_dir)

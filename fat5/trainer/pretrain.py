@@ -301,7 +301,7 @@ def _prepare_output_folder(settings: dict, config, output_dir, overwrite: bool, 
 
 def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
     """With ``resume``, the newest complete checkpoint to continue from; the output folder exists afterwards."""
-    from .trainer import find_resume_checkpoint
+    from ..output_folder import find_resume_checkpoint
 
     checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -452,7 +452,7 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    from .trainer import final_model_disk_full_error
+    from ..output_folder import final_model_disk_full_error
 
     main_process = trainer.is_world_process_zero()
     temporary = final / ".final-model.tmp"

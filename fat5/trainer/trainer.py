@@ -6,10 +6,8 @@ to every training log, and routes transformers' ``label_smoothing_factor`` into 
 """
 
 import inspect
-import json
 import math
 import os
-import re
 import shutil
 import time
 import types
@@ -24,12 +22,15 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import FAT5Error
-from ..output_folder import disk_full_error, is_disk_full
+from ..output_folder import (
+    CHECKPOINT_NAME,
+    CHECKPOINT_STAGING,
+    disk_full_error,
+    fsync_files,
+    is_disk_full,
+    newest_complete_checkpoint,
+)
 from .metrics import numeric_progress_callback
-
-# a checkpoint is written in here, inside the run folder (same disk), and renamed to checkpoint-N once complete
-CHECKPOINT_STAGING = ".checkpoint-staging"
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 @dataclass
@@ -176,104 +177,6 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
             raise FAT5Error(f"{where}.report_to: {error}") from None
 
 
-def checkpoint_problem(folder) -> str | None:
-    """Why ``folder`` is no complete Trainer checkpoint (a kill or a full disk left it half-written, or a file was
-    damaged since), or None when it is complete: a readable trainer_state.json, weights whose safetensors headers
-    match their files' sizes (every shard an index names), and whole zip archives for the torch.save'd states."""
-    import zipfile
-
-    from safetensors import SafetensorError, safe_open
-
-    folder = Path(folder)
-    try:
-        json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))["global_step"]
-    except FileNotFoundError:
-        return "no trainer_state.json"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "trainer_state.json is damaged"
-    weights = []
-    for index_name in ("model.safetensors.index.json", "adapter_model.safetensors.index.json"):
-        if (folder / index_name).is_file():
-            try:
-                shards = set(json.loads((folder / index_name).read_text(encoding="utf-8"))["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                return f"{index_name} is damaged"
-            weights += [folder / shard for shard in sorted(shards)]
-    weights += [folder / name for name in ("model.safetensors", "adapter_model.safetensors") if (folder / name).is_file()]
-    if not weights and not (folder / "pytorch_model.bin").is_file():
-        return "no model weights"
-    for path in weights:
-        try:
-            with safe_open(path, framework="pt"):
-                pass
-        except FileNotFoundError:
-            return f"{path.name} is missing"
-        except (SafetensorError, OSError) as error:
-            return f"{path.name} is damaged ({error})"
-    for path in sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth")) + sorted(folder.glob("*.bin")):
-        if not zipfile.is_zipfile(path):
-            return f"{path.name} is damaged (not a whole torch.save archive)"
-    return None
-
-
-def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
-    """The highest-numbered complete ``checkpoint-N`` of ``run_dir`` (None when there is none), and one line for
-    each newer one skipped, saying why."""
-    run_dir = Path(run_dir)
-    found = []
-    if run_dir.is_dir():
-        for path in run_dir.iterdir():
-            match = _CHECKPOINT_NAME.match(path.name)
-            if match and path.is_dir():
-                found.append((int(match.group(1)), path))
-    skipped = []
-    for _, path in sorted(found, reverse=True):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path, skipped
-        skipped.append(f"{path.name}: {problem}")
-    return None, skipped
-
-
-def final_model_disk_full_error(run_dir: Path) -> FAT5Error:
-    """What a job says when the disk fills while its final model is written: the folder, and the checkpoint from
-    which ``--resume`` finishes the run, if one is complete."""
-    kept, _ = newest_complete_checkpoint(run_dir)
-    return disk_full_error(run_dir, "the final model was not written" + (
-        f"; {kept.name} is complete: free some space and --resume finishes the run" if kept else ""))
-
-
-def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | None:
-    """The newest complete checkpoint of ``output_dir``, saying (with ``announce``: the main process) which and why
-    newer ones are skipped; None (a run that starts over) when there is none."""
-    checkpoint, skipped = newest_complete_checkpoint(output_dir)
-    if not announce:
-        return checkpoint
-    for reason in skipped:
-        print(f"--resume: skipping the incomplete {reason}", flush=True)
-    if checkpoint is None:
-        print(f"--resume: no complete checkpoint in {output_dir}: starting from step 0", flush=True)
-    else:
-        print(f"--resume: continuing from {checkpoint}", flush=True)
-    return checkpoint
-
-
-def resume_hint(command: str, output_dir) -> str:
-    """What to run to continue an interrupted job whose output folder is ``output_dir``."""
-    checkpoint, _ = newest_complete_checkpoint(output_dir)
-    if checkpoint is None:
-        return f"no checkpoint was written yet; `{command} --overwrite` starts over"
-    return f"`{command} --resume` continues from {checkpoint}"
-
-
-def _fsync_files(folder: Path) -> None:
-    """Flush the files of ``folder`` to disk, so that after a power cut the renamed checkpoint holds its data."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-
-
 def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
     """Real tokens (encoder inputs plus, for seq2seq, labelled decoder positions) and slots of one batch."""
     input_ids = inputs["input_ids"]
@@ -406,7 +309,7 @@ class FAT5Trainer(Seq2SeqTrainer):
                 if best is not None and Path(best).parent == staging:
                     self.state.best_model_checkpoint = str(run_dir / Path(best).name)
                     self.state.save_to_json(str(staging / name / "trainer_state.json"))
-                _fsync_files(staging / name)
+                fsync_files(staging / name)
                 if (run_dir / name).exists():
                     # a checkpoint of the same step (a run resumed from an older one): moved aside, not deleted first
                     os.replace(run_dir / name, staging / f"replaced-{name}")
@@ -444,7 +347,7 @@ class FAT5Trainer(Seq2SeqTrainer):
         if limit is None or limit <= 0:
             return
         checkpoints = sorted(
-            (int(match.group(1)), path) for path in run_dir.iterdir() if (match := _CHECKPOINT_NAME.match(path.name))
+            (int(match.group(1)), path) for path in run_dir.iterdir() if (match := CHECKPOINT_NAME.match(path.name))
         )
         protected = {checkpoints[-1][1]}
         if self.state.best_model_checkpoint is not None:
