@@ -15,6 +15,7 @@ from helpers import FAMILIES, PREFIX, TINY, make_checkpoint, padded_seq2seq_batc
 from safetensors.torch import load_file, save_file
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
+from fat5.commands.convert import convert_to_hub_folder
 from fat5.conversion import ConversionError, convert, export_hf
 from fat5.errors import FAT5Error
 from fat5_command import build_parser
@@ -362,9 +363,9 @@ def test_an_existing_output_fails_before_anything_is_read(converted, tmp_path, m
     monkeypatch.setattr(
         sys.modules["fat5.conversion.convert"], "resolve_source", lambda *args: pytest.fail("read the source first")
     )
-    for options in ({}, {"bundle": True}):
+    for convert_to_folder in (convert, convert_to_hub_folder):
         with pytest.raises(FAT5Error, match="already exists"):
-            convert(source, out, **options)
+            convert_to_folder(source, out)
     assert leftovers(out) == ["out"] and [p.name for p in out.iterdir()] == ["precious.txt"]
 
 
