@@ -43,6 +43,8 @@ from pathlib import Path
 
 import yaml
 
+from fat5.testing import TINY_MODEL_FIELDS
+
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = REPO / "examples" / "accelerate"
 # NVLink multicast (NVLS, symmetric memory) must stay off on shared hosts; the runs inherit these
@@ -52,7 +54,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 BASE_MODEL = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12}
-TINY_MODEL = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4}
 # a run: its accelerate config (None: one plain process) and the changes to that config's fsdp_config
 STRATEGIES = {
     "ddp": ("ddp", {}),
@@ -64,7 +65,7 @@ STRATEGIES = {
 
 def job_config(args, tokenizer_dir: Path) -> dict:
     """The `fat5 pretrain` config of every run (the same file for one GPU and for N)."""
-    model = TINY_MODEL if args.tiny else BASE_MODEL
+    model = TINY_MODEL_FIELDS if args.tiny else BASE_MODEL
     training = {
         "max_steps": args.steps, "learning_rate": 2e-3, "lr_scheduler_type": "constant_with_warmup",
         "warmup_steps": min(100, args.steps // 2), "weight_decay": 0.0, "max_grad_norm": 1.0,

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import curve_differences, environment, markdown_table, write_result
 
 from fat5.conversion import convert
+from fat5.testing import TINY_MODEL_FIELDS
 from fat5.trainer.data import shakespeare_texts
 from fat5.trainer.finetune import prepare_finetune, training_arguments
 from fat5.trainer.finetune_config import load_finetune_config
@@ -50,7 +51,6 @@ from fat5.trainer.tokenizer import train_tokenizer
 
 logger = logging.getLogger("benchmarks.finetune")
 BASE_SHAPE = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12}
-TINY_SHAPE = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4}
 T5_V1_1 = {"vocab_size": 32128, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
            "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q", "k", "v", "o", "wi_0", "wi_1", "wo"],
@@ -67,7 +67,7 @@ def make_checkpoints(work: Path, shape: dict, tokenizer_vocab: int) -> tuple[Pat
     tokenizer = train_tokenizer(shakespeare_texts(), vocab_size=tokenizer_vocab, num_sentinels=100, model="bpe")
     logger.info("tokenizer of %d tokens trained in %.1f s", len(tokenizer), time.perf_counter() - started)
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(**shape, **T5_V1_1))
+    model = T5ForConditionalGeneration(T5Config(**{**shape, **T5_V1_1}))
     # transformers 5's T5Config forces tied embeddings; a v1.1 checkpoint says untied and holds its own lm_head,
     # which the loader then keeps apart. Its draw has std d_model**-0.5 (T5's own init for an untied head, std 1,
     # starts the loss near 100 instead of about ln(vocab), far from what a finetuning run looks like).
@@ -327,7 +327,7 @@ def main(argv=None):
         raise SystemExit("benchmarks/finetune.py measures on a CUDA GPU; on a CPU run it with --tiny to check the path")
     tiny = args.tiny
     options = {
-        "shape": TINY_SHAPE if tiny else BASE_SHAPE,
+        "shape": TINY_MODEL_FIELDS if tiny else BASE_SHAPE,
         "steps": args.steps or (12 if tiny else 200),
         "batch": args.batch or (4 if tiny else 32),
         "source_length": args.source_length or (128 if tiny else 1024),

@@ -24,10 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import draw_beside, markdown_table, parse_or_plot, save_png, t5_carrying_weights_of, write_result
 
+from fat5.testing import TINY_MODEL_FIELDS, TINY_VOCAB_SIZE
+
 BASE = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12,
         "vocab_size": 32128}
-TINY = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4,
-        "vocab_size": 256}
+TINY = {**TINY_MODEL_FIELDS, "vocab_size": TINY_VOCAB_SIZE}
 HOST_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch",
               "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "aten::item")
 

@@ -95,7 +95,7 @@ CONFIG_OVERRIDES: dict = {}
 T5_BIAS_BANK = True
 # dq by fp32 atomics from the dk/dv kernel up to this head dim; above it (and under deterministic algorithms) dq has its
 # own kernel: at head_dim 128 the extra product and accumulator in the dk/dv kernel cost more than the separate pass
-# (H100, benchmarks/results/attention_sweep.json).
+# (H100, benchmarks/results/archive/attention_sweep.json).
 _FUSED_DQ_MAX_HEAD_DIM = 64
 
 

@@ -176,7 +176,7 @@ def rms_norm(
     _check_inputs(hidden_states, weight, output_dtype)
     # Under torch.compile, "auto" leaves the norm to Inductor, which fuses it with the residual add before it and the
     # casts around it; the kernel, opaque to Inductor, cost a pass more each way (UL2 pretraining, base shape in CUDA
-    # graphs on an H100: 24.3% -> 26.2% MFU, benchmarks/results/pretrain_base_inductor_norm.json).
+    # graphs on an H100: 24.3% -> 26.2% MFU, benchmarks/results/archive/pretrain_base_inductor_norm.json).
     if not use_triton(backend, hidden_states) or (backend == "auto" and torch.compiler.is_compiling()):
         return rms_norm_reference(hidden_states, weight, eps, output_dtype)
     if _triton_forward is None:
