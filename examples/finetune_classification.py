@@ -11,41 +11,28 @@ On the shipped speeches, `--task sequence_classification` learns whether a speec
 The same job from a YAML file: `fat5 finetune fat5/trainer/configs/finetune_classification.yaml`.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+from example_setup import example_parser, model_folder, short_run_arguments
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.testing import make_tiny_model
 from fat5.trainer.finetune import finetune
 
-SHIPPED_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "shakespeare_speeches.jsonl"
 COLUMNS = {"sequence_classification": ("document", "genre"), "token_classification": ("words", "tags")}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_choice = parser.add_mutually_exclusive_group(required=True)
-    model_choice.add_argument("--model", help="FAT5 model folder (e.g. written by `fat5 convert`)")
-    model_choice.add_argument("--tiny", action="store_true", help="make a tiny random FAT5 model to try the pipeline")
+    parser = example_parser(__doc__, default_output_dir=None)
     parser.add_argument("--task", choices=sorted(COLUMNS), default="sequence_classification")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on the encoder, the head in full")
-    parser.add_argument("--train-file", default=str(SHIPPED_DATA), help="JSON/JSONL/CSV data (default: shipped)")
-    parser.add_argument("--output-dir", default=None, help="default: runs/example-<task>")
-    parser.add_argument("--epochs", type=float, default=10.0)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (default: --epochs)")
     args = parser.parse_args()
 
     output_dir = Path(args.output_dir or f"runs/example-{args.task}")
     text_column, target_column = COLUMNS[args.task]
-    model_dir = args.model
-    if args.tiny:
-        with open(args.train_file, encoding="utf-8") as file:
-            texts = [json.loads(line)["document"] for line in file if line.strip()]
-        model_dir = make_tiny_model(output_dir / "tiny-model", texts)
+    model_dir = model_folder(args, output_dir)
 
     config = {
         "task": args.task,
@@ -59,14 +46,8 @@ def main() -> None:
         },
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0} if args.lora else None,
         "training": {
+            **short_run_arguments(args),
             "learning_rate": 3e-3 if args.tiny or args.lora else 3e-4,
-            "num_train_epochs": args.epochs,
-            "max_steps": args.max_steps,
-            "per_device_train_batch_size": 8,
-            "per_device_eval_batch_size": 16,
-            "save_strategy": "no",
-            "logging_steps": 5,
-            "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         },
     }
     result = finetune(config)

@@ -16,45 +16,28 @@ wo; wi for ReLU models). The steps:
 The same job from a YAML file: `fat5 finetune fat5/trainer/configs/finetune_lora.yaml`.
 """
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
 from datasets import load_dataset
+from example_setup import example_parser, model_folder, short_run_arguments
 from peft import AutoPeftModelForSeq2SeqLM, LoraConfig, TaskType, get_peft_model
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
 from fat5.hub_upload import bundle
-from fat5.testing import make_tiny_model
 from fat5.trainer.metrics import rouge_metric
 from fat5.trainer.trainer import FAT5Trainer
 
-SHIPPED_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "shakespeare_speeches.jsonl"
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_choice = parser.add_mutually_exclusive_group(required=True)
-    model_choice.add_argument("--model", help="FAT5 model folder (e.g. written by `fat5 convert`)")
-    model_choice.add_argument("--tiny", action="store_true", help="make a tiny random FAT5 model to try the pipeline")
-    parser.add_argument("--train-file", default=str(SHIPPED_DATA), help="JSONL with document and summary columns")
-    parser.add_argument("--output-dir", default="runs/example-lora")
-    parser.add_argument("--epochs", type=float, default=10.0)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (default: --epochs)")
+    parser = example_parser(__doc__, default_output_dir="runs/example-lora")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank r")
     args = parser.parse_args()
 
     output_dir = Path(args.output_dir)
-    if args.tiny:
-        with open(args.train_file, encoding="utf-8") as file:
-            texts = [json.loads(line)["document"] for line in file if line.strip()]
-        model_dir = make_tiny_model(output_dir / "tiny-model", texts)
-    else:
-        model_dir = Path(args.model)
     # an absolute base path: the saved adapter records it to find its base model again
-    model_dir = str(model_dir.resolve())
+    model_dir = str(model_folder(args, output_dir).resolve())
     prefix = "" if args.tiny else "summarize: "
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -80,18 +63,12 @@ def main() -> None:
     # 2. training; FAT5 computes the loss (fused cross-entropy, exact under gradient accumulation)
     training_args = Seq2SeqTrainingArguments(
         output_dir=str(output_dir),
+        **short_run_arguments(args),
         learning_rate=3e-3 if args.tiny else 1e-3,
-        num_train_epochs=args.epochs,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=16,
         train_sampling_strategy="group_by_length",
         predict_with_generate=True,
         generation_max_length=64,
-        save_strategy="no",
-        logging_steps=5,
         report_to="none",
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
     )
     trainer = FAT5Trainer(
         model=model,

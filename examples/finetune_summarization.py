@@ -12,40 +12,26 @@ The data defaults to the speeches shipped with the tests (each summarised by its
 JSON/JSONL/CSV file with --train-file and its columns with --text-column / --target-column.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+from example_setup import example_parser, model_folder, short_run_arguments
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.testing import make_tiny_model
 from fat5.trainer.finetune import finetune
-
-SHIPPED_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "shakespeare_speeches.jsonl"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_choice = parser.add_mutually_exclusive_group(required=True)
-    model_choice.add_argument("--model", help="FAT5 model folder (e.g. written by `fat5 convert`)")
-    model_choice.add_argument("--tiny", action="store_true", help="make a tiny random FAT5 model to try the pipeline")
-    parser.add_argument("--train-file", default=str(SHIPPED_DATA), help="JSON/JSONL/CSV data (default: shipped)")
+    parser = example_parser(__doc__, default_output_dir="runs/example-summarization")
     parser.add_argument("--text-column", default="document")
     parser.add_argument("--target-column", default="summary")
-    parser.add_argument("--output-dir", default="runs/example-summarization")
-    parser.add_argument("--epochs", type=float, default=10.0)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (default: --epochs)")
     parser.add_argument("--learning-rate", type=float, default=None, help="default: 3e-4, or 3e-3 with --tiny")
     args = parser.parse_args()
 
     output_dir = Path(args.output_dir)
-    model_dir = args.model
-    if args.tiny:
-        with open(args.train_file, encoding="utf-8") as file:
-            texts = [json.loads(line)[args.text_column] for line in file if line.strip()]
-        model_dir = make_tiny_model(output_dir / "tiny-model", texts)
+    model_dir = model_folder(args, output_dir, args.text_column)
 
     config = {
         "task": "seq2seq",
@@ -61,17 +47,11 @@ def main() -> None:
             "max_target_length": 64,
         },
         "training": {
+            **short_run_arguments(args),
             "learning_rate": args.learning_rate or (3e-3 if args.tiny else 3e-4),
-            "num_train_epochs": args.epochs,
-            "max_steps": args.max_steps,
-            "per_device_train_batch_size": 8,
-            "per_device_eval_batch_size": 16,
             "train_sampling_strategy": "group_by_length",
             "predict_with_generate": True,
             "generation_max_length": 64,
-            "save_strategy": "no",
-            "logging_steps": 5,
-            "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         },
     }
     result = finetune(config)
