@@ -430,7 +430,7 @@ def warm_caches(tasks, jobs):
     failures = {}
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        for task, seconds, error in pool.map(_warm, tasks):
+        for task, _seconds, error in pool.map(_warm, tasks):
             if error:
                 failures[task] = error
                 print(f"  warm-up failed {task}: {error}", flush=True)

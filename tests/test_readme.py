@@ -82,7 +82,7 @@ def test_the_readme_runs_as_written(reader_folder):
 
 
 def test_every_skipped_block_says_why():
-    for language, code, skip, line in readme_blocks():
+    for _language, _code, skip, line in readme_blocks():
         assert skip is None or skip.strip(), f"README.md:{line}: a skip marker without a reason"
 
 
