@@ -430,7 +430,7 @@ def warm_caches(tasks, jobs):
     failures = {}
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        for task, seconds, error in pool.map(_warm, tasks):
+        for task, _seconds, error in pool.map(_warm, tasks):
             if error:
                 failures[task] = error
                 print(f"  warm-up failed {task}: {error}", flush=True)
@@ -768,7 +768,8 @@ def main():
                         help="time the launch configurations on a pretraining step's short problems instead")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the T5 encoder's forward and backward without parts of the bias instead")
-    parser.add_argument("--lengths", type=int, nargs="+", help=f"default {LENGTHS} ({BREAKDOWN_LENGTHS} with --breakdown)")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help=f"default {LENGTHS} ({BREAKDOWN_LENGTHS} with --breakdown)")
     parser.add_argument("--tables", nargs="+", default=list(DEFAULT_TABLES), choices=[table[0] for table in TABLES],
                         help=f"which tables (default {' '.join(DEFAULT_TABLES)})")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compilation processes")

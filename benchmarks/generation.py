@@ -8,15 +8,15 @@ reduce-overhead, CUDA graphs), ``transformers-dynamic`` (its default cache, eage
 (FAT5 with transformers' static cache, compiled by ``generate`` the same way).
 
 Per implementation, batch and input length, after ``torch._dynamo.reset()`` (each shape's first call is a fresh
-process's; ``--keep-compiled`` leaves compiled code between shapes): the first call's seconds (compilation, graph capture), then one timed call: tokens/s (batch x new
-tokens / its wall time), ms a step (wall / new tokens) and a decoding step without the encoder ((wall - time to
-first token) / (new tokens - 1)), the peak of ``torch.cuda.max_memory_allocated()`` during it (both models'
-weights, 1 GiB, included) and of the memory reserved over both calls (CUDA graphs' pools); then the time to first
-token (the median of three calls with max_new_tokens=1). An out-of-memory error, or any other, is recorded in the
-row and the run goes on. Every implementation's ids are compared with transformers' (static cache if measured):
-the fraction of equal tokens and the first step where a row differs. In bf16 random weights give nearly flat
-logits, where one rounding flips a greedy choice, so the exact check runs in fp32: both models in fp32, batch 4,
-input 512, 32 new tokens, their ids must be equal (``--no-exactness`` skips it).
+process's; ``--keep-compiled`` leaves compiled code between shapes): the first call's seconds (compilation, graph
+capture), then one timed call: tokens/s (batch x new tokens / its wall time), ms a step (wall / new tokens) and a
+decoding step without the encoder ((wall - time to first token) / (new tokens - 1)), the peak of
+``torch.cuda.max_memory_allocated()`` during it (both models' weights, 1 GiB, included) and of the memory reserved over
+both calls (CUDA graphs' pools); then the time to first token (the median of three calls with max_new_tokens=1). An
+out-of-memory error, or any other, is recorded in the row and the run goes on. Every implementation's ids are compared
+with transformers' (static cache if measured): the fraction of equal tokens and the first step where a row differs. In
+bf16 random weights give nearly flat logits, where one rounding flips a greedy choice, so the exact check runs in fp32:
+both models in fp32, batch 4, input 512, 32 new tokens, their ids must be equal (``--no-exactness`` skips it).
 
 GPU time is scarce. The default grid (3 implementations x 4 batches x 2 input lengths) should take about 7
 minutes on an H100 (an estimate: transformers compiles every shape for 25-40 s, the rest is seconds a shape), so

@@ -80,7 +80,8 @@ def main(argv=None):
     model = build_models("base", ["fat5"])["fat5"]
     rows = []
     for batch, length in TRAINING_SHAPES:
-        rows.append(row("training", f"batch {batch}, encoder {length}", training_rates(model, batch, length, args.rounds)))
+        rows.append(row("training", f"batch {batch}, encoder {length}",
+                        training_rates(model, batch, length, args.rounds)))
         print(rows[-1], flush=True)
     model.eval()
     for batch in GENERATION_BATCHES:

@@ -138,7 +138,8 @@ def packed_batch(batch, encoder_length, decoder_length, examples, vocab_size):
     }
     encoder_lengths = torch.bincount(segment_ids[0], minlength=examples + 1)[1:].tolist()
     decoder_lengths = torch.bincount(decoder_segment_ids[0], minlength=examples + 1)[1:].tolist()
-    return inputs, labels.masked_fill(decoder_segment_ids == 0, -100), list(zip(encoder_lengths, decoder_lengths)) * batch
+    labels = labels.masked_fill(decoder_segment_ids == 0, -100)
+    return inputs, labels, list(zip(encoder_lengths, decoder_lengths)) * batch
 
 
 def release():
@@ -359,7 +360,9 @@ def check_agreement(models, vocab_size):
     """Loss of FAT5 and transformers on one batch, bf16: they must agree before any timing counts."""
     input_ids, labels = random_batch(2, 256, 64, vocab_size, seed=123)
     with torch.no_grad():
-        losses = {name: model.eval()(input_ids=input_ids, labels=labels).loss.float().item() for name, model in models.items()}
+        losses = {
+            name: model.eval()(input_ids=input_ids, labels=labels).loss.float().item() for name, model in models.items()
+        }
     for name, loss in losses.items():
         if "transformers" in losses and abs(loss - losses["transformers"]) > 1e-2 * abs(losses["transformers"]):
             raise SystemExit(f"{name} and transformers disagree: losses {losses}")

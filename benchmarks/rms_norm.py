@@ -111,7 +111,9 @@ def sweep(x, w, grad_output) -> dict:
         if rows * block > 16384 or rows * block < 32 * warps:
             continue
         ms = triton.testing.do_bench(
-            lambda rows=rows, warps=warps: rms_norm_triton.rms_norm_forward(x, w, output, inverse_rms, EPS, rows, warps),
+            lambda rows=rows, warps=warps: rms_norm_triton.rms_norm_forward(
+                x, w, output, inverse_rms, EPS, rows, warps
+            ),
             return_mode="median",
         )
         forward.append({"rows_per_program": rows, "num_warps": warps, "ms": ms})

@@ -88,8 +88,8 @@ class FAT5Config(PretrainedConfig):
             temperature, top_k, top_p, repetition_penalty and the other logits processors that the generation config
             builds, return_dict_in_generate with `sequences`, and for beam search `beam_indices` and output_scores),
             transformers' loop for anything else (scores without beams, logits, attentions, hidden states, custom
-            logits processors or stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU too (the same step,
-            run eagerly). `"never"`: transformers' loop.
+            logits processors or stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU
+            too (the same step, run eagerly). `"never"`: transformers' loop.
         initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
             checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's
             T5 v1.1 draw, in which an untied `lm_head` has std `d_model**-0.5`, so that pretraining starts from a
@@ -219,7 +219,9 @@ class FAT5Config(PretrainedConfig):
                         f"FAT5Config.{name} must be a token id in [0, vocab_size = {self.vocab_size}), got {ids!r}"
                     )
         if not isinstance(self.num_decoder_layers, int) or self.num_decoder_layers < 0:
-            raise ValueError(f"FAT5Config.num_decoder_layers must be a non-negative integer, got {self.num_decoder_layers!r}")
+            raise ValueError(
+                f"FAT5Config.num_decoder_layers must be a non-negative integer, got {self.num_decoder_layers!r}"
+            )
 
     def _validate_choices(self) -> None:
         """The named options (activation, position encoding, initialisation, backend) and what each one requires."""
@@ -232,7 +234,9 @@ class FAT5Config(PretrainedConfig):
                 f"(e.g. 'relu', 'gated-gelu'), got {self.feed_forward_proj!r}"
             )
         if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(f"FAT5Config.position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}")
+            raise ValueError(
+                f"FAT5Config.position_encoding must be one of {POSITION_ENCODINGS}, got {self.position_encoding!r}"
+            )
         if self.initialization not in INITIALIZATIONS:
             raise ValueError(
                 f"FAT5Config.initialization must be one of {INITIALIZATIONS} (T5X's draw, or transformers' T5 draw for "
@@ -243,12 +247,16 @@ class FAT5Config(PretrainedConfig):
                 f"FAT5Config.graphed_decoding must be one of {GRAPHED_DECODING_MODES}, got {self.graphed_decoding!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"FAT5Config.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"FAT5Config.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.position_encoding == "t5":
             buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
             # the encoder's buckets split in two directions, each half exact and half logarithmic up to max_distance
             if not isinstance(buckets, int) or buckets < 4 or buckets % 2:
-                raise ValueError(f"FAT5Config.relative_attention_num_buckets must be an even integer >= 4, got {buckets!r}")
+                raise ValueError(
+                    f"FAT5Config.relative_attention_num_buckets must be an even integer >= 4, got {buckets!r}"
+                )
             if not isinstance(distance, int) or distance <= buckets // 2:
                 raise ValueError(
                     "FAT5Config.relative_attention_max_distance must be an integer larger than "
@@ -264,8 +272,12 @@ class FAT5Config(PretrainedConfig):
                 raise ValueError(f"FAT5Config.{name} must lie in [0, 1), got {value!r}")
         if not isinstance(self.z_loss, (int, float)) or self.z_loss < 0:
             raise ValueError(f"FAT5Config.z_loss must be >= 0, got {self.z_loss!r}")
-        if self.attention_scale is not None and (not isinstance(self.attention_scale, (int, float)) or self.attention_scale <= 0):
-            raise ValueError(f"FAT5Config.attention_scale must be a positive number or None, got {self.attention_scale!r}")
+        if self.attention_scale is not None and (
+            not isinstance(self.attention_scale, (int, float)) or self.attention_scale <= 0
+        ):
+            raise ValueError(
+                f"FAT5Config.attention_scale must be a positive number or None, got {self.attention_scale!r}"
+            )
         if self.layer_norm_epsilon <= 0:
             raise ValueError(f"FAT5Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
         # RoPE's frequencies are powers of theta, FIRE takes log(c * distance + 1) / log(c * threshold + 1)

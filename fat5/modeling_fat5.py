@@ -137,7 +137,9 @@ class FAT5DenseActDense(nn.Module):
         if self.activation_backend is None:
             hidden_states = self.act(self.wi(hidden_states))
         else:
-            hidden_states = gated_activation(self.wi(hidden_states), None, self.activation_name, self.activation_backend)
+            hidden_states = gated_activation(
+                self.wi(hidden_states), None, self.activation_name, self.activation_backend
+            )
         hidden_states = self.dropout(hidden_states)
         return self.wo(_output_projection_input(hidden_states, self.wo))
 
@@ -254,7 +256,8 @@ class FAT5Attention(nn.Module):
         query, key), else None."""
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
-        query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+        query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim)
+        query = query.transpose(1, 2)
         query = self.stack_position_encoding.rotate(query, layout.position_ids)
         key, value = self._keys_values(hidden_states, key_value_states, key_value_layout, past_key_values)
 
@@ -418,7 +421,8 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer = nn.ModuleList()
         self.layer.append(
             FAT5LayerSelfAttention(
-                config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder, layer_idx=layer_idx
+                config, has_relative_attention_bias=has_relative_attention_bias, is_decoder=is_decoder,
+                layer_idx=layer_idx,
             )
         )
         if is_decoder:
@@ -727,10 +731,11 @@ class FAT5PreTrainedModel(PreTrainedModel):
     """The base of every FAT5 model: transformers' loading and saving, and the first draw of the weights.
 
     A fresh model is drawn as T5X's (``config.initialization="t5x"``, the default) or transformers' T5's
-    (``"transformers"``) is, by ``_init_weights``. The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py`` (``Transformer.setup``, ``Encoder``,
-    ``Decoder``) and ``t5x/examples/t5/layers.py`` (``MultiHeadDotProductAttention``, ``DenseGeneral``,
-    ``MlpBlock``, ``Embed``, ``RelativePositionBiases``, ``LayerNorm``); transformers'
-    ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations of the drawn values:
+    (``"transformers"``) is, by ``_init_weights``. The references: T5X's T5 v1.1, ``t5x/examples/t5/network.py``
+    (``Transformer.setup``, ``Encoder``, ``Decoder``) and ``t5x/examples/t5/layers.py``
+    (``MultiHeadDotProductAttention``, ``DenseGeneral``, ``MlpBlock``, ``Embed``, ``RelativePositionBiases``,
+    ``LayerNorm``); transformers' ``models/t5/modeling_t5.py``, ``T5PreTrainedModel._init_weights``. Standard deviations
+    of the drawn values:
 
     ======================== ================================================= ============================
     weight                   T5X (``"t5x"``)                                   transformers' T5
@@ -830,7 +835,9 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if all_submodels:
             # each FAT5 model inside this one (a sequence classifier's `transformer`) answers for itself, prefixed
             return super().get_expanded_tied_weights_keys(all_submodels=True)
-        tied = {f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder") if hasattr(self, stack)}
+        tied = {
+            f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder") if hasattr(self, stack)
+        }
         if self.config.tie_word_embeddings and isinstance(getattr(self, "lm_head", None), nn.Linear):
             tied["lm_head.weight"] = "shared.weight"
         return tied
@@ -1405,8 +1412,8 @@ def _encoder_only_outputs(model, input_ids, attention_mask, inputs_embeds, outpu
         )
     return model.encoder(
         input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-        output_hidden_states=output_hidden_states, output_attentions=_asks_for_attentions(model.config, output_attentions),
-        return_dict=True,
+        output_hidden_states=output_hidden_states,
+        output_attentions=_asks_for_attentions(model.config, output_attentions), return_dict=True,
     )
 
 
@@ -1585,7 +1592,9 @@ class FAT5ForTokenClassification(_FAT5EncoderWithHead):
         output_attentions=None,
         **kwargs,
     ) -> TokenClassifierOutput:
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, kwargs)
+        outputs = self._encode(
+            input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions, kwargs
+        )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -1674,8 +1683,8 @@ class FAT5ForQuestionAnswering(FAT5PreTrainedModel):
             loss = _span_loss(start_logits, end_logits, start_positions, end_positions)
         if decoder_outputs is None:
             output = QuestionAnsweringModelOutput(
-                loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=encoder_outputs.hidden_states,
-                attentions=encoder_outputs.attentions,
+                loss=loss, start_logits=start_logits, end_logits=end_logits,
+                hidden_states=encoder_outputs.hidden_states, attentions=encoder_outputs.attentions,
             )
         else:
             output = Seq2SeqQuestionAnsweringModelOutput(

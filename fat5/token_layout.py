@@ -79,7 +79,10 @@ class TokenLayout:
         Two reads back to the host (the number of example slots with the validity check, then the longest
         segment), both before any of the model's kernels."""
         if segment_ids.dim() != 2 or segment_ids.dtype.is_floating_point:
-            raise ValueError(f"segment_ids must be a (batch, length) integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}")
+            raise ValueError(
+                "segment_ids must be a (batch, length) integer tensor, "
+                f"got {segment_ids.dtype} {tuple(segment_ids.shape)}"
+            )
         batch_size, length = segment_ids.shape
         ids = segment_ids.long()
         if ids.numel() == 0:

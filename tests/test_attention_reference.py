@@ -72,7 +72,9 @@ def test_buckets_match_the_definition_over_every_distance():
     padded=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_reference_matches_naive_softmax(batch, heads, query_length, key_length, head_dim, causal, offset, encoding, padded, seed):
+def test_reference_matches_naive_softmax(
+    batch, heads, query_length, key_length, head_dim, causal, offset, encoding, padded, seed
+):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, query_length, head_dim, generator=generator)
     k = torch.randn(batch, heads, key_length, head_dim, generator=generator)

@@ -86,7 +86,8 @@ def fat5_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **truth_options):
 def make_leaf(*shape, dtype=torch.float32, transposed=False):
     """A random leaf tensor; ``transposed`` gives (B, H, L, D) as a view of a (B, L, H, D) buffer, as models do."""
     if transposed:
-        return torch.randn(shape[0], shape[2], shape[1], shape[3], device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()
+        buffer = torch.randn(shape[0], shape[2], shape[1], shape[3], device=DEVICE, dtype=dtype)
+        return buffer.transpose(1, 2).requires_grad_()
     return torch.randn(*shape, device=DEVICE, dtype=dtype).requires_grad_()
 
 
@@ -140,7 +141,8 @@ def test_every_encoding_with_padding_and_offset(position_encoding, causal, query
     slopes = torch.rand(heads, device=DEVICE)
     bias = torch.randn(1, heads, query_length, key_length, device=DEVICE, requires_grad=True)
     mask = torch.rand(batch, key_length, device=DEVICE) > 0.25
-    options = {"scale": 0.3, "causal": causal, "key_padding_mask": mask, "query_offset": 5, "num_buckets": 8, "max_distance": 9}
+    options = {"scale": 0.3, "causal": causal, "key_padding_mask": mask, "query_offset": 5, "num_buckets": 8,
+               "max_distance": 9}
     position = {"t5": table, "bias": bias}.get(position_encoding)
     inputs = (query, key, value) + ((position,) if position is not None else ())
 
@@ -160,7 +162,8 @@ def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, ca
     """The GPU's head-dim-128 backward runs 64 x 128 tiles: each near tile's skewed reduction then wraps rows of
     unequal length. The same shape of tiles, scaled down."""
     # the interpreter's one-warp tiles, or a GPU shape the compiler takes (Triton 3.6 fails on one warp there)
-    tiles = attention_triton.LaunchConfig(16, 32, 1, 1) if DEVICE == "cpu" else attention_triton.LaunchConfig(32, 64, 4, 2)
+    tiles = (attention_triton.LaunchConfig(16, 32, 1, 1) if DEVICE == "cpu"
+             else attention_triton.LaunchConfig(32, 64, 4, 2))
     monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", tiles)
     torch.manual_seed(2)
     batch, heads, key_length, head_dim = 2, 2, 70, 16
@@ -252,7 +255,8 @@ def test_varlen_random_segments(lengths, position_encoding, causal, query_offset
     table = torch.randn(8, heads, device=DEVICE, requires_grad=True)
     slopes = torch.rand(heads, device=DEVICE)
     bias = torch.randn(heads, max_q, max_k, device=DEVICE, requires_grad=True)
-    options = {"causal": causal, "query_offset": query_offset, "bidirectional": bidirectional, "num_buckets": 8, "max_distance": 7}
+    options = {"causal": causal, "query_offset": query_offset, "bidirectional": bidirectional, "num_buckets": 8,
+               "max_distance": 7}
     position = {"t5": table, "bias": bias}.get(position_encoding)
     inputs = (query, key, value) + ((position,) if position is not None else ())
 
@@ -298,7 +302,8 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     # long enough to split with the GPU's 64-key decoding tiles too (150 keys made 3 blocks there: no split)
     batch, heads, cache, head_dim = 1, 2, 600, 32
     query = make_leaf(batch, heads, query_length, head_dim, dtype=dtype)
-    key, value = make_leaf(batch, heads, cache, head_dim, dtype=dtype), make_leaf(batch, heads, cache, head_dim, dtype=dtype)
+    key = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
+    value = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     table = torch.randn(32, heads, device=DEVICE, requires_grad=True)
     mask = torch.ones(batch, cache, dtype=torch.bool, device=DEVICE)
     mask[:, 40:300] = False  # whole splits see only padding
@@ -500,7 +505,8 @@ def test_custom_ops_pass_opcheck():
     with torch.no_grad():  # the decoding form: the offset as a tensor the kernel reads
         decoding = (query[:, :, :1].detach(), key.detach(), value.detach(), *arguments[3:11], 0, *arguments[12:16],
                     torch.tensor([19], device=DEVICE))
-        torch.library.opcheck(attention_triton.attention_forward_op, decoding, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(attention_triton.attention_forward_op, decoding,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize(

@@ -276,7 +276,9 @@ def test_bad_input_raises_clear_errors(logits, labels, options, error, match):
         cross_entropy(logits, labels, **options)
 
 
-@pytest.mark.parametrize("backend, compiler", [("reference", "aot_eager"), ("triton", "aot_eager"), ("triton", "inductor")])
+@pytest.mark.parametrize(
+    "backend, compiler", [("reference", "aot_eager"), ("triton", "aot_eager"), ("triton", "inductor")]
+)
 def test_compiles_without_graph_breaks(backend, compiler):
     from fat5.kernels.rms_norm import rms_norm
 
@@ -294,7 +296,8 @@ def test_compiles_without_graph_breaks(backend, compiler):
     value = compiled(*leaves, labels)
     grads = torch.autograd.grad(value, leaves)
     truth_leaves = [tensor.double().requires_grad_() for tensor in inputs]
-    logits = (truth_leaves[0] * torch.rsqrt(truth_leaves[0].pow(2).mean(-1, keepdim=True) + 1e-6) * truth_leaves[1]) @ truth_leaves[2]
+    hidden, norm_weight, lm_head = truth_leaves
+    logits = (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight) @ lm_head
     truth_ce, truth_z = _truth(logits, labels, z_loss=1e-2, label_smoothing=0.1)
     truth_value = 2.0 * truth_ce + truth_z
     truth_grads = torch.autograd.grad(truth_value, truth_leaves)

@@ -1,6 +1,6 @@
-"""A full disk during `fat5 convert`, `fat5 pretrain` or `fat5 finetune`: one line that says the disk is full and where, and nothing
-half-written. A 3 MiB tmpfs, filled but for a little, stands in for the full disk (mounting one needs root: the
-tests are skipped, saying why, where it cannot be mounted)."""
+"""A full disk during `fat5 convert`, `fat5 pretrain` or `fat5 finetune`: one line that says the disk is full and where,
+and nothing half-written. A 3 MiB tmpfs, filled but for a little, stands in for the full disk (mounting one needs root:
+the tests are skipped, saying why, where it cannot be mounted)."""
 
 import json
 import os

@@ -232,7 +232,8 @@ def test_decoder_input_ids_longer_than_max_length_are_refused_as_in_transformers
     prefix = torch.zeros(3, 4, dtype=torch.long)
     for model in models:
         for cache in ({}, STATIC):
-            with pytest.raises(ValueError, match="Input length of decoder_input_ids is 4, but `max_length` is set to 3"):
+            with pytest.raises(ValueError,
+                               match="Input length of decoder_input_ids is 4, but `max_length` is set to 3"):
                 model.generate(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=prefix,
                                max_length=3, **cache)
 
@@ -279,11 +280,13 @@ def test_decoder_and_encoder_output_masks_of_the_wrong_length_are_refused_by_nam
     arguments = {"input_ids": input_ids, "attention_mask": attention_mask, "decoder_input_ids": prefix,
                  "decoder_attention_mask": torch.ones(3, 5, dtype=torch.long), "max_new_tokens": 4}
     assert hf.generate(**arguments).shape == (3, 6)  # T5 quietly reads part of the mask
-    with pytest.raises(ValueError, match="decoder_attention_mask: the attention mask covers 5 positions but there are 2"):
+    with pytest.raises(ValueError,
+                       match="decoder_attention_mask: the attention mask covers 5 positions but there are 2"):
         model.generate(**arguments)
     with torch.no_grad():
         encoded = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
-    with pytest.raises(ValueError, match="the encoder's attention_mask: the attention mask covers 8 positions but there"):
+    with pytest.raises(ValueError,
+                       match="the encoder's attention_mask: the attention mask covers 8 positions but there"):
         model.generate(encoder_outputs=encoded, attention_mask=attention_mask[:, :8], max_new_tokens=4)
 
 

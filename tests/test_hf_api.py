@@ -163,7 +163,8 @@ def test_trainer_predictions_are_t5s(tmp_path):
     """The Trainer's evaluation keeps what T5 returns; the loss's parts (ce_loss, z_loss) stay out of predictions."""
     hf, model = hf_and_fat5()
     input_ids, attention_mask, labels = padded_batch()
-    dataset = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(input_ids, attention_mask, labels)]
+    dataset = [{"input_ids": i, "attention_mask": m, "labels": lab}
+               for i, m, lab in zip(input_ids, attention_mask, labels)]
     results = []
     for evaluated in (hf, model):
         arguments = transformers.Seq2SeqTrainingArguments(tmp_path / type(evaluated).__name__, report_to=[],
@@ -208,7 +209,8 @@ def test_embeddings_instead_of_ids_match_transformers():
 
 def test_seq2seq_collator_and_ignored_labels_match_transformers(tokenizer):
     hf, model = hf_and_fat5("t5v1.1")
-    features = [{"input_ids": tokenizer(text).input_ids, "labels": tokenizer(text).input_ids[::-1][:4]} for text in TEXTS]
+    features = [{"input_ids": tokenizer(text).input_ids, "labels": tokenizer(text).input_ids[::-1][:4]}
+                for text in TEXTS]
     batches = [transformers.DataCollatorForSeq2Seq(tokenizer, model=m)(copy.deepcopy(features)) for m in (hf, model)]
     expected_batch, batch = batches
     assert batch.keys() == expected_batch.keys() and "decoder_input_ids" in batch
@@ -217,7 +219,8 @@ def test_seq2seq_collator_and_ignored_labels_match_transformers(tokenizer):
     assert (batch["labels"] == -100).any()
     labels = batch["labels"]
     assert torch.equal(
-        model.prepare_decoder_input_ids_from_labels(labels=labels), hf.prepare_decoder_input_ids_from_labels(labels=labels)
+        model.prepare_decoder_input_ids_from_labels(labels=labels),
+        hf.prepare_decoder_input_ids_from_labels(labels=labels),
     )
     with torch.no_grad():
         expected, actual = hf(**batch), model(**batch)
@@ -259,7 +262,8 @@ def test_attn_implementation_sdpa_or_eager_loads_the_same_model(saved, attn_impl
 
 @pytest.mark.parametrize("attn_implementation", ["flash_attention_2", "flex_attention"])
 def test_other_attn_implementations_are_refused_by_name(saved, attn_implementation):
-    with pytest.raises(ValueError, match=f"attn_implementation='{attn_implementation}' is not supported.*attention_backend"):
+    with pytest.raises(ValueError,
+                       match=f"attn_implementation='{attn_implementation}' is not supported.*attention_backend"):
         FAT5ForConditionalGeneration.from_pretrained(saved[1], attn_implementation=attn_implementation)
 
 
@@ -365,7 +369,8 @@ def test_accessors_and_set_input_embeddings_match_transformers():
         encoder = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
         assert relative_error(encoder.last_hidden_state, expected_encoder.last_hidden_state) < 1e-5
         decoder_input_ids = hf.prepare_decoder_input_ids_from_labels(labels=labels)
-        expected_decoder = hf.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=encoder.last_hidden_state,
+        expected_decoder = hf.get_decoder()(input_ids=decoder_input_ids,
+                                            encoder_hidden_states=encoder.last_hidden_state,
                                             encoder_attention_mask=attention_mask)
         decoder = model.get_decoder()(input_ids=decoder_input_ids, encoder_hidden_states=encoder.last_hidden_state,
                                       encoder_attention_mask=attention_mask)

@@ -187,7 +187,8 @@ def test_transformers_setting_keeps_t5s_draw_where_t5x_differs():
         t5_std = t5_parameters[name].std().item()
         assert_drawn_as(name, parameters[name], "normal", t5_std)
         assert abs(t5_std - t5x_spread(name, WIDE)[1]) > 0.3 * t5_std
-    for name in ("encoder.block.0.layer.1.DenseReluDense.wi_0.weight", "decoder.block.1.layer.2.DenseReluDense.wo.weight"):
+    for name in ("encoder.block.0.layer.1.DenseReluDense.wi_0.weight",
+                 "decoder.block.1.layer.2.DenseReluDense.wo.weight"):
         assert t5x_spread(name, WIDE)[0] == "truncated_normal"  # the same spread, untruncated
         assert_drawn_as(name, parameters[name], "normal", t5_parameters[name].std().item())
 

@@ -108,7 +108,8 @@ def test_generation_matches_transformers(family):
     model = fat5_from_hf(hf, family)
     input_ids, attention_mask, _ = padded_batch(seed=4)
     settings = {"max_new_tokens": 8, "min_new_tokens": 8}
-    greedy, beam, sampling = {"do_sample": False}, {"do_sample": False, "num_beams": 3}, {"do_sample": True, "top_k": 20}
+    greedy, beam = {"do_sample": False}, {"do_sample": False, "num_beams": 3}
+    sampling = {"do_sample": True, "top_k": 20}
     for extra in (greedy, beam, sampling):
         torch.manual_seed(5)  # sampling draws the same numbers for both, so equal logits pick the same tokens
         expected = hf.generate(input_ids=input_ids, attention_mask=attention_mask, **settings, **extra)
@@ -356,7 +357,8 @@ def test_static_cache_generates_the_dynamic_cache_ids(position_encoding):
     input_ids, attention_mask, _ = padded_batch()
     settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
     expected = model.generate(input_ids=input_ids, attention_mask=attention_mask, **settings)
-    static = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static", **settings)
+    static = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static",
+                            **settings)
     assert torch.equal(static, expected)
     decoder_mask = {"decoder_attention_mask": torch.ones(3, 1, dtype=torch.long)}
     masked = model.generate(input_ids=input_ids, attention_mask=attention_mask, cache_implementation="static",

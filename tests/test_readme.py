@@ -22,7 +22,9 @@ NOT_RUN = {
     "pip install": "installs the environment this test already runs in (and needs the network)",
     "python -m pytest": "runs the test suite, which is what is running this test",
 }
-_BLOCK = re.compile(r"(?:<!-- readme-test: skip: (?P<skip>[^>]*?) -->\n)?```(?P<language>\w+)\n(?P<code>.*?)```", re.DOTALL)
+_BLOCK = re.compile(
+    r"(?:<!-- readme-test: skip: (?P<skip>[^>]*?) -->\n)?```(?P<language>\w+)\n(?P<code>.*?)```", re.DOTALL
+)
 
 
 def readme_blocks() -> list[tuple[str, str, str | None, int]]:
@@ -82,7 +84,7 @@ def test_the_readme_runs_as_written(reader_folder):
 
 
 def test_every_skipped_block_says_why():
-    for language, code, skip, line in readme_blocks():
+    for _language, _code, skip, line in readme_blocks():
         assert skip is None or skip.strip(), f"README.md:{line}: a skip marker without a reason"
 
 
@@ -127,7 +129,9 @@ def test_every_extra_is_used():
             if name in tools:
                 continue
             module = name.replace("-", "_")
-            assert re.search(rf"^\s*(import|from) {module}\b", sources, re.MULTILINE), f"extra {extra!r}: {name} is unused"
+            assert re.search(rf"^\s*(import|from) {module}\b", sources, re.MULTILINE), (
+                f"extra {extra!r}: {name} is unused"
+            )
 
 
 def test_the_bundles_model_card_runs_as_written_without_a_prompt(tiny_model, tmp_path):

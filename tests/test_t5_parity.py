@@ -180,8 +180,9 @@ def test_a_custom_4d_mask_decodes_step_by_step_as_t5():
     with torch.no_grad():
         results = []
         for owner in (hf, model):
-            first = owner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, :3],
-                          decoder_attention_mask=decoder_mask[:, :, :3, :3], use_cache=True)
+            first = owner(input_ids=input_ids, attention_mask=attention_mask,
+                          decoder_input_ids=decoder_input_ids[:, :3], decoder_attention_mask=decoder_mask[:, :, :3, :3],
+                          use_cache=True)
             step = owner(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids[:, 3:],
                          decoder_attention_mask=decoder_mask[:, :, 3:], cache=first.cache, use_cache=True)
             results.append(torch.cat([first.logits, step.logits], dim=1))

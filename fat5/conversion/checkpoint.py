@@ -106,7 +106,8 @@ def _download_from_hub(repo_id: str, revision: str | None) -> Path:
         raise ConversionError(f"{repo_id} has no revision {revision!r} on the Hub") from None
     except OfflineModeIsEnabled:
         raise ConversionError(
-            f"{repo_id} is not a local folder and the Hub is disabled (HF_HUB_OFFLINE=1): pass a local checkpoint folder"
+            f"{repo_id} is not a local folder and the Hub is disabled (HF_HUB_OFFLINE=1): "
+            "pass a local checkpoint folder"
         ) from None
     except HfHubHTTPError as error:
         raise ConversionError(f"the Hub refused to serve {repo_id}: {error}") from None
@@ -141,7 +142,8 @@ def weight_files(folder: Path) -> list[Path]:
         if (folder / single).is_file():
             return [folder / single]
     raise ConversionError(
-        f"{folder}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {PYTORCH_FILE} or {PYTORCH_INDEX})"
+        f"{folder}: no weights found "
+        f"(expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {PYTORCH_FILE} or {PYTORCH_INDEX})"
     )
 
 

@@ -307,7 +307,8 @@ def _align_reference(reference, model_type: str, scale_decoder_outputs: bool, no
         if reference.config.tie_word_embeddings != scale_decoder_outputs:
             notes.append(
                 "transformers' UMT5 class scales the decoder output by d_model**-0.5 whenever its (forced) "
-                f"tie_word_embeddings is true; the check ran it with scaling {'on' if scale_decoder_outputs else 'off'}, "
+                "tie_word_embeddings is true; the check ran it with scaling "
+                f"{'on' if scale_decoder_outputs else 'off'}, "
                 "as the raw config says (and as the original UMT5 and transformers 4 do)"
             )
         reference.config.tie_word_embeddings = scale_decoder_outputs

@@ -393,7 +393,9 @@ def manifest_files(folder: Path) -> list[str]:
 def write_manifest(folder: Path) -> None:
     from fat5 import __version__
 
-    manifest = {"fat5_version": __version__, "sha256": {name: _sha256(folder / name) for name in manifest_files(folder)}}
+    manifest = {
+        "fat5_version": __version__, "sha256": {name: _sha256(folder / name) for name in manifest_files(folder)}
+    }
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -2,8 +2,9 @@
 
 The folder is checked before anything is sent: its files (config with `auto_map`, the remote code it names,
 weights), that its code, weights and config are byte for byte what `fat5 bundle` wrote (the sha256 manifest; an
-edited bundle is refused, naming the file, unless forced), then a fresh Python process that cannot import fat5 or triton loads it with `trust_remote_code=True`,
-runs a forward and generates. Only then `create_repo(exist_ok=True)` and `upload_folder`.
+edited bundle is refused, naming the file, unless forced), then a fresh Python process that cannot import fat5 or
+triton loads it with `trust_remote_code=True`, runs a forward and generates. Only then `create_repo(exist_ok=True)`
+and `upload_folder`.
 """
 
 import json

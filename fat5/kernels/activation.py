@@ -161,7 +161,9 @@ def gated_activation(
     if _triton_forward is None:
         raise RuntimeError("gated_activation: the Triton kernels could not be imported; use backend='reference'")
     if gate.dtype not in _TRITON_DTYPES:
-        raise TypeError(f"gated_activation's Triton path takes fp32/fp16/bf16, got {gate.dtype}; use backend='reference'")
+        raise TypeError(
+            f"gated_activation's Triton path takes fp32/fp16/bf16, got {gate.dtype}; use backend='reference'"
+        )
     if torch.compiler.is_compiling():
         return _activation_forward(gate, linear, activation)
     return _ActivationFunction.apply(gate, linear, activation)

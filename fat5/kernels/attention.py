@@ -27,7 +27,9 @@ def _check_inputs(query, key, value, query_offset, position_bias, dropout_p):
     if query.dim() != key.dim() or query.shape[-1] != key.shape[-1] or query.shape[heads_dim] != key.shape[heads_dim]:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree on heads or head_dim")
     if not query.dtype.is_floating_point or query.dtype != key.dtype or key.dtype != value.dtype:
-        raise TypeError(f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise TypeError(
+            f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
     if isinstance(query_offset, torch.Tensor):
@@ -47,7 +49,8 @@ def _check_padded_inputs(query, key, value, key_padding_mask, query_offset, posi
     _check_inputs(query, key, value, query_offset, position_bias, dropout_p)
     if key_padding_mask is not None and key_padding_mask.shape != (key.shape[0], key.shape[2]):
         raise ValueError(
-            f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, got {tuple(key_padding_mask.shape)}"
+            f"key_padding_mask must be (batch, key_length) = {(key.shape[0], key.shape[2])}, "
+            f"got {tuple(key_padding_mask.shape)}"
         )
 
 
@@ -151,7 +154,9 @@ def attention_with_probabilities(
     if attention_mask is not None:
         if causal or key_padding_mask is not None:
             raise ValueError("a custom attention_mask is the whole mask: give it without causal or key_padding_mask")
-        if attention_mask.dim() != 4 or not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+        if attention_mask.dim() != 4 or not (
+            attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point
+        ):
             raise ValueError(
                 "attention_mask must be a 4-D bool or float tensor, (batch, 1, query_length, key_length), got "
                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}"

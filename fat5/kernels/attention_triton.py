@@ -503,7 +503,8 @@ def _backward(
         if fused_dq:
             dq.copy_(dq_accumulator)
         else:
-            _attention_backward_dq_kernel[(cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)](
+            dq_grid = (cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)
+            _attention_backward_dq_kernel[dq_grid](
                 query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
                 *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
                 *_token_strides(grad_out, problem), *_token_strides(dq, problem),
@@ -681,11 +682,13 @@ def _check_triton_arguments(query, position_bias: PositionBias, num_heads, dropo
     if position_bias.kind == "t5":
         if position_bias.tensor.shape[1] != num_heads:
             raise ValueError(
-                f"the T5 table must be (num_buckets, heads) with {num_heads} heads, got {tuple(position_bias.tensor.shape)}"
+                f"the T5 table must be (num_buckets, heads) with {num_heads} heads, "
+                f"got {tuple(position_bias.tensor.shape)}"
             )
         if position_bias.max_distance > _MAX_T5_DISTANCE:
             raise ValueError(
-                f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, got {position_bias.max_distance}"
+                f"the Triton attention supports T5 max_distance up to {_MAX_T5_DISTANCE}, "
+                f"got {position_bias.max_distance}"
             )
         _check_t5_buckets(position_bias.bidirectional, position_bias.num_buckets, position_bias.max_distance)
     if position_bias.kind == "alibi" and position_bias.tensor.shape != (num_heads,):

@@ -286,7 +286,8 @@ def _forward_inner(
     for block in tl.range(block_start, block_end, num_stages=loop_stages):
         keys = block * BLOCK_N + offs_n
         if APPLY_MASK:
-            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k,
+                        other=0.0)
         else:
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -312,7 +313,8 @@ def _forward_inner(
         row_sum = row_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if APPLY_MASK:
-            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k,
+                        other=0.0)
         else:
             v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
@@ -364,7 +366,9 @@ def _key_ranges(
         clean_end = seqlen_k // BLOCK_N
     block_hi = tl.minimum(block_hi, block_hi_limit)
     clean_end = tl.maximum(tl.minimum(clean_end, block_hi), block_lo)
-    far_left_end = tl.minimum(tl.maximum(_floor_div(query_offset + start_m - MAX_DISTANCE, BLOCK_N), block_lo), clean_end)
+    far_left_end = tl.minimum(
+        tl.maximum(_floor_div(query_offset + start_m - MAX_DISTANCE, BLOCK_N), block_lo), clean_end
+    )
     far_right_start = tl.minimum(
         tl.maximum(_ceil_div(query_offset + start_m + BLOCK_M + MAX_DISTANCE, BLOCK_N), far_left_end), clean_end
     )
@@ -564,8 +568,8 @@ def _backward_preprocess_kernel(
     batch64 = batch.to(tl.int64)
     head64 = head.to(tl.int64)
     inside = rows[:, None] < seqlen_q
-    out = tl.load(Out + batch64 * stride_ob + head64 * stride_oh + (q_start + rows[:, None]) * stride_om + offs_d[None, :],
-                  mask=inside, other=0.0)
+    out = tl.load(Out + batch64 * stride_ob + head64 * stride_oh + (q_start + rows[:, None]) * stride_om
+                  + offs_d[None, :], mask=inside, other=0.0)
     grad = tl.load(GradOut + batch64 * stride_gb + head64 * stride_gh + (q_start + rows[:, None]) * stride_gm
                    + offs_d[None, :], mask=inside, other=0.0)
     delta = tl.sum(out.to(tl.float32) * grad.to(tl.float32), axis=1)
@@ -944,8 +948,10 @@ def _backward_dq_inner(
     for block in range(block_start, block_end):
         keys = block * BLOCK_N + offs_n
         if APPLY_MASK:
-            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
-            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k, other=0.0)
+            k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :], mask=keys[:, None] < seqlen_k,
+                        other=0.0)
+            v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :], mask=keys[:, None] < seqlen_k,
+                        other=0.0)
         else:
             k = tl.load(key_base + keys[:, None] * stride_kn + offs_d[None, :])
             v = tl.load(value_base + keys[:, None] * stride_vn + offs_d[None, :])
@@ -1015,7 +1021,8 @@ def _attention_backward_dq_kernel(
                 mask=in_rows[:, None], other=0.0)
     do = tl.load(GradOut + batch64 * stride_gb + head64 * stride_gh + (q_start + rows[:, None]) * stride_gm
                  + offs_d[None, :], mask=in_rows[:, None], other=0.0)
-    lse = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, mask=in_rows, other=float("inf"))
+    lse = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, mask=in_rows,
+                  other=float("inf"))
     delta = tl.load(Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + rows, mask=in_rows, other=0.0)
     key_base = K + batch64 * stride_kb + head64 * stride_kh + k_start * stride_kn
     value_base = V + batch64 * stride_vb + head64 * stride_vh + k_start * stride_vn

@@ -34,7 +34,9 @@ def _triton_unusable_reason() -> str | None:
 # torch.compile'd code, where a check that imports or parses would be traced.
 TRITON_UNUSABLE_REASON = _triton_unusable_reason()
 if TRITON_UNUSABLE_REASON not in (None, _TRITON_NOT_INSTALLED):  # CPU-only installs lack triton by design
-    warnings.warn(f"FAT5's Triton kernels are off, its PyTorch reference ops run instead: {TRITON_UNUSABLE_REASON}")
+    warnings.warn(
+        f"FAT5's Triton kernels are off, its PyTorch reference ops run instead: {TRITON_UNUSABLE_REASON}", stacklevel=2
+    )
 
 
 def triton_available() -> bool:
