@@ -468,7 +468,7 @@ def test_benchmark_runs_the_config_with_only_what_a_benchmark_changes(tmp_path):
     distributed = benchmark_module("distributed")
     source = CONFIG_DIR / "pretrain_minipile.yaml"
     args = SimpleNamespace(tiny=False, config=str(source), steps=7, logging_steps=2, tokens_per_gpu=None,
-                           set=["training.learning_rate=1e-3"])
+                           set=["training.learning_rate=0.001"])
     config = distributed.job_config(args, tmp_path / "tokenizer")
     original = yaml.safe_load(source.read_text())
     assert config["model"] == original["model"] and config["data"] == original["data"]
