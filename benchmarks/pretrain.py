@@ -277,12 +277,16 @@ def use_fresh_compile_caches(scratch: str) -> None:
 
 
 def guarded(path: str, run: dict, train) -> dict:
-    """``run`` updated with what ``train()`` measured, or with the out-of-memory error that stopped it."""
+    """``run`` updated with what ``train()`` measured, or with the error that stopped it (the other paths still
+    run, and the result keeps what they measured)."""
     try:
         run.update(train())
     except torch.cuda.OutOfMemoryError as error:
         logger.warning("%s path ran out of memory: %s", path, str(error).splitlines()[0])
         run["error"] = "out of memory: " + str(error).splitlines()[0]
+    except Exception as error:
+        logger.exception("%s path failed", path)
+        run["error"] = f"{type(error).__name__}: {str(error)[:2000]}"
     release()
     logger.info("%s", {key: value for key, value in run.items() if key not in ("loss", "cross_entropy", "windows",
                                                                               "real_tokens")})
