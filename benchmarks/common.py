@@ -208,3 +208,40 @@ def kernel_ms_by_kind(profiler, steps: int) -> dict[str, float]:
             kind = kernel_kind(event.name)
             by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e3 / steps
     return {kind: round(ms, 3) for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1])}
+
+
+# dense bf16 peak of the GPUs the MFU figures are given for (H100 SXM; the H200 has the H100's compute)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(gpu_name: str | None) -> float | None:
+    """The dense bf16 peak of a GPU by its name, None for a CPU or an unknown GPU."""
+    return next((value for key, value in PEAK_BF16_TFLOPS.items() if gpu_name and key in gpu_name), None)
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """Parameters a token touches: ``encoder`` (per encoder token), ``decoder`` (per decoder token, without the
+    output layer) and ``lm_head`` (per decoder token); the embeddings are lookups and count for nothing."""
+    named = dict(model.named_parameters())
+    counts = {side: sum(p.numel() for n, p in named.items() if n.startswith(f"{side}.") and "embed" not in n)
+              for side in ("encoder", "decoder")}
+    counts["lm_head"] = model.lm_head.weight.numel()
+    return counts
+
+
+def model_flops(encoder_lengths, decoder_lengths, counts: dict[str, int], config) -> tuple:
+    """Model FLOPs of a training step (forward + backward) on examples of these encoder and decoder lengths (numpy
+    arrays or tensors, one entry per example, each attending to itself only): ``(dense, attention)``.
+
+    dense     = 6 x (encoder parameters x encoder tokens + (decoder + lm_head parameters) x decoder tokens)
+    attention = 3.5 x 4·H·D·(encoder layers x Σ Le² + decoder layers x Σ (Ld²/2 + Ld·Le))
+
+    (forward + backward attention is 3.5 x the forward; the decoder's causal self-attention is halved).
+    ``counts``: :func:`parameter_counts`; ``config``: num_heads, d_kv, num_layers, num_decoder_layers."""
+    dense = 6 * (counts["encoder"] * encoder_lengths.sum()
+                 + (counts["decoder"] + counts["lm_head"]) * decoder_lengths.sum())
+    forward = 4 * config.num_heads * config.d_kv * (
+        config.num_layers * (encoder_lengths**2).sum()
+        + config.num_decoder_layers * (decoder_lengths**2 / 2 + decoder_lengths * encoder_lengths).sum()
+    )
+    return dense, 3.5 * forward

