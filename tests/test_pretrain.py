@@ -10,7 +10,8 @@ import pytest
 from helpers import SMALL_PRETRAIN
 
 from fat5.errors import FAT5Error
-from fat5.trainer.pretrain import load_config, pretrain
+from fat5.trainer.pretrain import pretrain
+from fat5.trainer.pretrain_config import load_pretrain_config
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     output, completed = default_run
     summary = json.loads((output / "pretrain_summary.json").read_text())
     losses = [entry["loss"] for entry in summary["log_history"] if "loss" in entry]
-    assert summary["steps"] == load_config()["training"]["max_steps"]
+    assert summary["steps"] == load_pretrain_config().training["max_steps"]
     # T5X's draw starts the loss near ln(vocab_size), a uniform guess; learning takes it well below
     ln_vocab = math.log(json.loads((output / "config.json").read_text())["vocab_size"])
     assert abs(losses[0] - ln_vocab) < 0.1 * ln_vocab and losses[-1] <= ln_vocab - 1.0, losses
@@ -164,13 +165,13 @@ def test_ctrl_c_says_how_to_resume(straight_run, tmp_path, monkeypatch, capsys):
 
 
 def test_config_mistakes_are_named(tmp_path):
-    with pytest.raises(FAT5Error, match="unknown config sections"):
-        load_config({"optimizer": {}})
-    with pytest.raises(FAT5Error, match="no pretraining config"):
-        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(FAT5Error, match=r"unknown key\(s\) \['optimizer'\]"):
+        load_pretrain_config({"optimizer": {}})
+    with pytest.raises(FAT5Error, match="missing.yaml: no such file"):
+        load_pretrain_config(tmp_path / "missing.yaml")
     (tmp_path / "bad.yaml").write_text("model: [unclosed")
     with pytest.raises(FAT5Error, match="not valid YAML"):
-        load_config(tmp_path / "bad.yaml")
+        load_pretrain_config(tmp_path / "bad.yaml")
     broken = json.loads(json.dumps(SMALL_PRETRAIN))
     broken["model"]["position_encoding"] = "sinusoidal"
     with pytest.raises(FAT5Error, match="position_encoding"):
@@ -225,4 +226,4 @@ def test_cli_reports_mistakes_without_a_traceback(tmp_path):
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert completed.returncode == 2
-    assert "no pretraining config" in completed.stderr and "Traceback" not in completed.stderr
+    assert "missing.yaml: no such file" in completed.stderr and "Traceback" not in completed.stderr

@@ -25,7 +25,7 @@ from transformers import (
 
 from fat5 import FAT5Error, FAT5ForConditionalGeneration, FAT5ForSequenceClassification
 from fat5.trainer.finetune import finetune
-from fat5.trainer.pretrain import load_config
+from fat5.trainer.pretrain_config import load_pretrain_config
 from fat5.trainer.trainer import FAT5Trainer, FAT5TrainingArguments
 
 TRAINERS = {Seq2SeqTrainer: Seq2SeqTrainingArguments, FAT5Trainer: FAT5TrainingArguments}
@@ -415,8 +415,8 @@ def test_finetune_training_mistakes_are_named(mistake, tiny_model, tmp_path):
 
 PRETRAIN_MISTAKES = {
     "misspelt model field": ("model", {"d_modle": 32}, r"unknown key\(s\) \['d_modle'\] in the model section"),
-    "misspelt data key": ("data", {"max_input_lenght": 64}, r"\['max_input_lenght'\] in the data section: its keys"),
-    "misspelt tokenizer key": ("tokenizer", {"vocab": 300}, r"\['vocab'\] in the tokenizer section"),
+    "misspelt data key": ("data", {"max_input_lenght": 64}, r"data: unknown key\(s\) \['max_input_lenght'\]"),
+    "misspelt tokenizer key": ("tokenizer", {"vocab": 300}, r"tokenizer: unknown key\(s\) \['vocab'\]"),
     "batch size as text": ("data", {"tokens_per_batch": "512"}, r"data.tokens_per_batch must be an integer >= 1"),
     "learning rate as text": ("training", {"learning_rate": "1e-3"}, r"training.learning_rate must be a number"),
 }
@@ -428,7 +428,7 @@ def test_pretrain_config_mistakes_are_named(mistake):
     config = json.loads(json.dumps(SMALL_PRETRAIN))
     config[section] = {**config[section], **change}
     with pytest.raises(FAT5Error, match=message):
-        load_config(config)
+        load_pretrain_config(config)
 
 
 def test_missing_data_files_are_named(tiny_model, tmp_path):

@@ -7,14 +7,17 @@ from pathlib import Path
 
 from ..output_folder import disk_full_error, is_disk_full
 from ..trainer import pretrain as pretrain_job
+from ..trainer.pretrain_config import config_reference
 
 
 def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.description = pretrain_job.__doc__
+    parser.epilog = ("CONFIG's keys, with their defaults, the built-in job's (fat5/trainer/pretrain_config.py; "
+                     "examples: fat5/trainer/configs/pretrain_*.yaml):\n\n" + config_reference())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("config", nargs="?", help="YAML config; its sections update the built-in default "
-                        f"({pretrain_job.DEFAULT_CONFIG.relative_to(pretrain_job.CONFIG_DIR.parent.parent.parent)})")
-    parser.add_argument("--output-dir", default="outputs/fat5-pretrain",
+    parser.add_argument("config", nargs="?", help="YAML config; its keys update the built-in default (listed "
+                        "below); with --resume and no config, the run's saved pretrain_config.yaml")
+    parser.add_argument("--output-dir", default=pretrain_job.DEFAULT_OUTPUT_DIR,
                         help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
                         "checkpoints in DIR/checkpoint-N (default %(default)s)")
     parser.add_argument("--resume", action="store_true",

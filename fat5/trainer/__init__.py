@@ -1,145 +1,35 @@
-"""FAT5 pretraining data: UL2 denoisers, packing, the collator, a T5-style tokenizer and text corpora.
+"""FAT5's training wing: the `fat5 pretrain` and `fat5 finetune` jobs, FAT5Trainer, and the UL2 pretraining data
+(denoisers, packing, the collator, a T5-style tokenizer and text corpora).
 
-Names are imported lazily, so ``import fat5.trainer`` stays cheap and pulls in `datasets` or `tokenizers`
-only when a function that needs them is used.
+The jobs are the modules ``fat5.trainer.pretrain`` and ``fat5.trainer.finetune`` (each with its ``pretrain()`` /
+``finetune()`` function: a package attribute of the module's own name would be replaced by the module the moment
+it is imported); their configs are ``PretrainConfig`` and ``FinetuneConfig``.
+
+Names are imported lazily, from the one table below, so ``import fat5.trainer`` stays cheap and pulls in the Trainer,
+`datasets` or `tokenizers` only when a name that needs them is used.
 """
 
 from importlib import import_module
-from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "ul2": [
-        "Denoiser",
-        "UL2Mixture",
-        "UL2Objective",
-        "UL2Plan",
-        "CorruptedBatch",
-        "random_spans_noise_mask",
-        "load_ul2_config",
-        "num_noise_tokens",
-        "num_noise_spans",
-        "DEFAULT_CONFIG_PATH",
-    ],
-    "packing": [
-        "PlannedExample",
-        "PackedStreamDataset",
-        "PlannedDataset",
-        "UL2PackedBatchSampler",
-        "pack_rows",
-        "batch_rows",
-        "plan_packed_batches",
-        "packed_stream",
-        "PackedStreamDataset",
-        "padding_stats",
-        "ShapeBuckets",
-        "bucket_batches",
-        "choose_target_widths",
-        "shape_buckets_for",
-    ],
-    "collator": ["UL2DataCollator"],
-    "tokenizer": [
-        "train_tokenizer",
-        "load_tokenizer",
-        "load_ul2_config",
-        "sentinel_token_ids",
-        "prefix_token_ids",
-        "add_ul2_special_tokens",
-        "UL2_PREFIXES",
-    ],
-    "data": [
-        "shakespeare_dir",
-        "shakespeare_documents",
-        "shakespeare_texts",
-        "load_shakespeare",
-        "load_text_dataset",
-        "tokenize_dataset",
-    ],
+    "trainer": ("FAT5Trainer", "FAT5TrainingArguments"),
+    "pretrain": ("prepare_pretraining", "PretrainingJob"),
+    "pretrain_config": ("PretrainConfig", "load_pretrain_config"),
+    "finetune": ("prepare_finetune", "run_finetune"),
+    "finetune_config": ("FinetuneConfig", "load_finetune_config"),
+    "collator": ("UL2DataCollator",),
+    "tokenizer": ("train_tokenizer", "load_tokenizer", "sentinel_token_ids", "prefix_token_ids",
+                  "add_ul2_special_tokens", "UL2_PREFIXES"),
+    "ul2": ("Denoiser", "UL2Mixture", "UL2Objective", "UL2Plan", "CorruptedBatch", "load_ul2_config",
+            "random_spans_noise_mask", "num_noise_tokens", "num_noise_spans", "DEFAULT_CONFIG_PATH"),
+    "packing": ("UL2PackedBatchSampler", "PlannedDataset", "PlannedExample", "PackedStreamDataset", "packed_stream",
+                "pack_rows", "batch_rows", "plan_packed_batches", "padding_stats", "ShapeBuckets", "bucket_batches",
+                "choose_target_widths", "shape_buckets_for", "group_by_shape"),
+    "data": ("load_shakespeare", "shakespeare_dir", "shakespeare_documents", "shakespeare_texts", "load_text_dataset",
+             "tokenize_dataset"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = [
-    "DEFAULT_CONFIG_PATH",
-    "UL2_PREFIXES",
-    "CorruptedBatch",
-    "Denoiser",
-    "PackedStreamDataset",
-    "PlannedDataset",
-    "PlannedExample",
-    "ShapeBuckets",
-    "UL2DataCollator",
-    "UL2Mixture",
-    "UL2Objective",
-    "UL2PackedBatchSampler",
-    "UL2Plan",
-    "add_ul2_special_tokens",
-    "batch_rows",
-    "bucket_batches",
-    "choose_target_widths",
-    "load_shakespeare",
-    "load_text_dataset",
-    "load_tokenizer",
-    "load_ul2_config",
-    "num_noise_spans",
-    "num_noise_tokens",
-    "pack_rows",
-    "packed_stream",
-    "padding_stats",
-    "plan_packed_batches",
-    "prefix_token_ids",
-    "random_spans_noise_mask",
-    "sentinel_token_ids",
-    "shakespeare_dir",
-    "shakespeare_documents",
-    "shakespeare_texts",
-    "shape_buckets_for",
-    "tokenize_dataset",
-    "train_tokenizer",
-]
-
-if TYPE_CHECKING:
-    from .collator import UL2DataCollator
-    from .data import (
-        load_shakespeare,
-        load_text_dataset,
-        shakespeare_dir,
-        shakespeare_documents,
-        shakespeare_texts,
-        tokenize_dataset,
-    )
-    from .packing import (
-        PackedStreamDataset,
-        PlannedDataset,
-        PlannedExample,
-        ShapeBuckets,
-        UL2PackedBatchSampler,
-        batch_rows,
-        bucket_batches,
-        choose_target_widths,
-        pack_rows,
-        packed_stream,
-        padding_stats,
-        plan_packed_batches,
-        shape_buckets_for,
-    )
-    from .tokenizer import (
-        UL2_PREFIXES,
-        add_ul2_special_tokens,
-        load_tokenizer,
-        prefix_token_ids,
-        sentinel_token_ids,
-        train_tokenizer,
-    )
-    from .ul2 import (
-        DEFAULT_CONFIG_PATH,
-        CorruptedBatch,
-        Denoiser,
-        UL2Mixture,
-        UL2Objective,
-        UL2Plan,
-        load_ul2_config,
-        num_noise_spans,
-        num_noise_tokens,
-        random_spans_noise_mask,
-    )
+__all__ = list(_MODULE_OF)
 
 
 def __getattr__(name):

@@ -29,7 +29,8 @@ from ..errors import FAT5Error
 from ..output_folder import is_disk_full, move_into, prepare_run_folder
 from .finetune_config import load_finetune_config
 from .finetune_data import data_collator, label_mapping, limit_samples, load_raw_datasets, tokenize_datasets
-from .finetune_model import apply_lora, load_model, load_tokenizer, resolve_model_path
+from .finetune_model import apply_lora, load_model, resolve_model_path
+from .tokenizer import load_tokenizer
 
 
 def finetune(config_path_or_dict, output_dir=None, overrides=(), overwrite: bool = False, resume: bool = False) -> dict:

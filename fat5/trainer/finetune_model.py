@@ -93,20 +93,6 @@ def load_model(task: str, model_path: str, model_kwargs: dict, dtype: str = "flo
     return model
 
 
-def load_tokenizer(path: str, task: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as error:
-        raise FAT5Error(f"tokenizer: cannot load a tokenizer from {path} ({error}); set `tokenizer:` in the config")
-    if tokenizer.pad_token_id is None:
-        raise FAT5Error(f"tokenizer: {path}'s tokenizer has no padding token")
-    if task == "token_classification" and not tokenizer.is_fast:
-        raise FAT5Error("tokenizer: token_classification needs a fast tokenizer (it maps sub-word pieces to words)")
-    return tokenizer
-
-
 def linear_module_names(model) -> dict[str, str]:
     """Full name -> last name component of every `nn.Linear` of ``model`` (what LoRA can wrap)."""
     from torch import nn

