@@ -212,8 +212,8 @@ def prepare_job(config_file: Path, work: Path, batches: int) -> tuple[Path, dict
     for plan in job.batches.train_sampler.batches()[:batches]:
         flops, tokens = batch_flops(job.collator([planned[example] for example in plan]), parameters, job.model.config)
         per_token.append(flops / tokens)
-    tokenizer = Path(job.settings["tokenizer"].get("path") or job.output_dir / "tokenizer")
-    values, settings = np.asarray(per_token), job.settings
+    tokenizer = Path(job.settings.tokenizer.path or job.output_dir / "tokenizer")
+    values, settings = np.asarray(per_token), job.settings.to_dict()
     del job
     gc.collect()
     if torch.cuda.is_available():

@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check-to", type=int, default=None,
                         help="last step compared, and the run's last (default 140; --tiny 4)")
     parser.add_argument("--compile", choices=["none", "job"], default="none",
-                        help="FAT5's model eager (training.torch_compile: false) or compiled as the job's config says")
+                        help="FAT5's model eager (compile.mode: none) or compiled as the job's config says")
     parser.add_argument("--tiny", action="store_true",
                         help="the whole path on a CPU: the built-in default config, 4 steps, steps 3-4 compared, "
                              "on 40 scenes (or --max-documents)")
@@ -195,12 +195,12 @@ def run(args, scratch: str) -> tuple[list[dict], int, dict]:
     compared steps, the last step the run took, and the job's settings."""
     extra = {"model": {"z_loss": 0.0}}
     if args.compile == "none":
-        extra["training"] = {"torch_compile": False}
+        extra["compile"] = {"mode": "none"}
     job, _ = pretrain.prepare_job(args, args.seed, None, Path(scratch) / "job", extra=extra)
     steps = []
     check_gradients(job.trainer, args.check_from, args.check_to, bf16=job.trainer.args.bf16, steps=steps)
     job.trainer.train()
-    return steps, job.trainer.state.global_step, job.settings
+    return steps, job.trainer.state.global_step, job.settings.to_dict()
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def prepare_job(args, seed: int, initialization: str | None, output_dir, steps: 
 
 def job_tokenizer(job) -> Path:
     """Where the job's tokenizer is: the config's, or the one the job trained (later jobs load it)."""
-    return Path(job.settings["tokenizer"].get("path") or job.output_dir / "tokenizer")
+    return Path(job.settings.tokenizer.path or job.output_dir / "tokenizer")
 
 
 def t5_fields(config) -> dict:
@@ -502,7 +502,7 @@ def padding_plan(args, scratch: str) -> None:
     from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
 
     job, _ = prepare_job(args, args.seeds[0], None, Path(scratch) / "job", steps=1)
-    data, name = job.settings["data"], "tiny" if args.tiny else args.shape
+    data, name = job.settings.to_dict()["data"], "tiny" if args.tiny else args.shape
     lengths = np.asarray(job.batches.train["length"])
     plans = {name: [bucket_padding(PlannedDataset(job.batches.train), job.collator, UL2PackedBatchSampler(
         lengths, job.collator.objective, tokens_per_batch=data["tokens_per_batch"], shape_buckets=count,
@@ -659,12 +659,13 @@ def main(argv=None) -> None:
                                                 restart=args.restart and restart is None)
                 runs += seed_runs
                 restart, tokenizer = restart or cost, tokenizer or job_tokenizer(job)
-        data = job.settings["data"]
+        settings = job.settings.to_dict()
+        data = settings["data"]
         results = {"runs": runs, "batch_shapes": [list(shape) for shape in fixed_shapes(job)],
                    "vocab_size": job.model.config.vocab_size, "tokens_per_batch": data["tokens_per_batch"],
                    "restart": restart, **comparisons(runs, args.smoothing)}
         document = write_result(args.out, results, shape="tiny" if args.tiny else args.shape, config=args.config,
-                                job=job.settings, model=job.settings["model"], data=data,
+                                job=settings, model=settings["model"], data=data,
                                 settings={key: value for key, value in vars(args).items()
                                           if key not in ("plot_only", "merge", "restart_child")})
     report(document, args.out)

@@ -120,11 +120,11 @@ def in_fixed_shapes(examples, shapes, pad_token_id: int) -> list[dict]:
 def fixed_shapes(job) -> list[tuple[int, int, int]]:
     """The compiled peer's micro-batch shapes: the job's batch shapes; for a job whose batches follow their content
     (no shape buckets), its rows at its longest encoder and decoder."""
-    sampler, data = job.batches.train_sampler, job.settings["data"]
+    sampler, data = job.batches.train_sampler, job.settings.data
     if sampler.buckets is not None:
         return [tuple(shape) for shape in sampler.buckets.shapes()]
-    width = data["max_input_length"]
-    return [(max(1, data["tokens_per_batch"] // width), width, data.get("max_target_length") or width)]
+    width = data.max_input_length
+    return [(max(1, data.tokens_per_batch // width), width, data.max_target_length or width)]
 
 
 def token_mean_loss(outputs, labels, num_items_in_batch=None):
