@@ -167,7 +167,8 @@ def job_overrides(args, seed: int, initialization: str | None, steps: int, token
         data["path"] = args.corpus_file
     training = {"max_steps": steps, "logging_steps": steps, "save_strategy": "no", "eval_strategy": "no",
                 "report_to": "none", "disable_tqdm": True}
-    overrides = {"seed": seed, "model": model, "data": data, "training": training}
+    # compile.cache_dir null: the job keeps the compile caches this invocation set (use_fresh_compile_caches)
+    overrides = {"seed": seed, "model": model, "data": data, "training": training, "compile": {"cache_dir": None}}
     if tokenizer is not None:
         overrides["tokenizer"] = {"path": str(tokenizer)}
     return overrides
