@@ -154,8 +154,12 @@ def run_transformers(job, t5, args, label: str, scratch: str) -> dict:
                                 pin_memory=self.args.dataloader_pin_memory)
             return self.accelerator.prepare(loader)
 
-    arguments = dataclasses.replace(job.trainer.args, output_dir=scratch, torch_compile=False,
-                                    torch_compile_regional=False, gradient_accumulation_steps=args.transformers_chunks)
+    # the job's compile mode cleared too: TrainingArguments turns torch_compile back on when a mode is set
+    arguments = dataclasses.replace(job.trainer.args, output_dir=scratch, torch_compile=False, torch_compile_mode=None,
+                                    torch_compile_backend=None, torch_compile_regional=False,
+                                    gradient_accumulation_steps=args.transformers_chunks)
+    if arguments.torch_compile:
+        raise RuntimeError("the eager peer's training arguments still compile")
     trainer = PlainTrainer(model=t5, args=arguments, train_dataset=steps, compute_loss_func=token_mean_loss)
     recorder = StepRecorder(parameter_counts(t5), t5.config, args.window, compiled=False)
     record_steps(trainer, recorder, cross_entropy=False)
