@@ -5,6 +5,8 @@ from typing import ClassVar
 
 from transformers import PretrainedConfig
 
+from .remote_code import write_remote_code
+
 POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
 INITIALIZATIONS = ("t5x", "transformers")
@@ -189,14 +191,13 @@ class FAT5Config(PretrainedConfig):
             config.num_layers = config.num_decoder_layers
         return config
 
-    def to_dict(self) -> dict:
-        output = super().to_dict()
-        # The package's classes save no code beside the weights, so an `auto_map` kept from the bundle they were
-        # loaded from would name files the saved folder lacks and break `trust_remote_code=True`. This file's copy in
-        # a bundle, run by transformers as remote code, keeps it: transformers then saves the code too.
-        if not type(self).__module__.startswith("transformers_modules."):
-            output.pop("auto_map", None)
-        return output
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """transformers' save, with the flat remote code beside config.json, which names it (``auto_map``, and
+        ``custom_pipelines`` for the seq2seq pipeline): the folder loads with ``trust_remote_code=True`` where fat5 is
+        not installed. Every FAT5 model's ``save_pretrained`` (and so ``push_to_hub`` and the Trainers' saves) saves
+        its config through here, package class or one loaded as remote code."""
+        write_remote_code(save_directory, self)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def _validate(self) -> None:
         self._validate_sizes_and_token_ids()

@@ -509,12 +509,15 @@ class FAT5Stack(nn.Module):
     ):
         """``layout`` / ``encoder_layout``: the TokenLayout of ``segment_ids`` / ``encoder_segment_ids`` when the
         caller has built it already (the seq2seq models build the encoder's once for both stacks: each build reads
-        two numbers back to the host). ``use_cache=True`` on the decoder called on its own starts a KV cache, returned
-        in the output, from which a later call continues (T5's stack does so; the models pass theirs).
+        two numbers back to the host). ``use_cache`` (``config.use_cache`` when not given, as in T5's stack) on the
+        decoder called on its own starts a KV cache, returned in the output, from which a later call continues; the
+        models start theirs and pass ``use_cache=False``.
         ``attention_mask`` may be a custom 4-D mask (see :class:`TokenLayout`); ``output_attentions`` returns the
         attention probabilities, as T5's eager attention does: both run the materialising attention for the call."""
         _check_supported_arguments(self.config, kwargs)
         past_key_values = _given_cache(cache, past_key_values, self)
+        if use_cache is None:
+            use_cache = self.config.use_cache
         if use_cache and self.is_decoder and past_key_values is None and segment_ids is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         if output_hidden_states is None:
@@ -1091,6 +1094,7 @@ def _encode_decode(
         encoder_segment_ids=segment_ids,
         encoder_layout=encoder_layout,
         cache=past_key_values,
+        use_cache=False,  # the cache, where one is wanted, is made above
         output_hidden_states=output_hidden_states,
         output_attentions=output_attentions,
         return_dict=True,

@@ -62,7 +62,8 @@ def test_convert_matches_transformers(converted, family):
     assert result.verification["logits_relative_error"] <= 1e-5
     assert (result.tie_word_embeddings, result.scale_decoder_outputs) == (tie, scale)
     raw = json.loads((out / "config.json").read_text())
-    assert raw["model_type"] == "fat5" and "auto_map" not in raw
+    # a converted folder is saved as every FAT5 model is: loadable as remote code (issue 41)
+    assert raw["model_type"] == "fat5" and raw["auto_map"]["AutoConfig"] == "configuration_fat5.FAT5Config"
     assert (raw["tie_word_embeddings"], raw["scale_decoder_outputs"]) == (tie, scale)
     assert raw["position_bias_per_layer"] == (model_type == "umt5")
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]

@@ -60,7 +60,7 @@ def test_bundle_layout_and_card(bundled, converted_dir):
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", "fat5_conversion.json"} <= names
     assert {"spiece.model", "tokenizer_config.json"} <= names
     expected_code = {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
-                     "graphed_decoding.py"} | {
+                     "graphed_decoding.py", "remote_code.py", "pipeline_fat5.py"} | {
         p.name for p in (Path(fat5.__file__).parent / "kernels").glob("*.py") if p.name != "__init__.py"
     }
     assert {n for n in names if n.endswith(".py")} == expected_code
@@ -209,13 +209,15 @@ print("ok", type(model).__module__)
 
 
 def test_a_model_loaded_from_a_bundle_saves_a_folder_that_loads(bundled, tmp_path):
-    """A saved FAT5 folder carries its remote code with its auto_map, or no auto_map (issue 2): the package's classes
-    save no code, so they drop the bundle's auto_map; the bundle's own classes, as remote code, save both."""
+    """A saved FAT5 folder carries its remote code with its auto_map (issue 41), whether the package's classes or
+    the bundle's own, run as remote code, saved it."""
     from transformers import AutoModelForSeq2SeqLM
 
     out, _ = bundled
     FAT5ForConditionalGeneration.from_pretrained(out).save_pretrained(tmp_path / "saved")
-    assert "auto_map" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert REQUIRED_AUTO_MAP.items() <= saved_config["auto_map"].items()
+    assert {p.name for p in out.glob("*.py")} == {p.name for p in (tmp_path / "saved").glob("*.py")}
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
     assert isinstance(reloaded, FAT5ForConditionalGeneration)
     completed = run_isolated(RESAVE_WITHOUT_FAT5, out, tmp_path / "remote-saved", tmp=tmp_path)
@@ -354,6 +356,8 @@ FAKE_PACKAGE = {
         "class FAT5Model:\n    pass\n\n\n"
         "def run():\n    return attend(FAT5Config.value) + chooser.pick()\n"
     ),
+    "remote_code.py": "from .pipeline_fat5 import Pipeline\n",
+    "pipeline_fat5.py": "class Pipeline:\n    pass\n",
     "kernels/__init__.py": "",
     "kernels/dispatch.py": "def pick():\n    return 10\n",
     "kernels/helper.py": "def double(x):\n    return 2 * x\n",
@@ -373,7 +377,8 @@ FAKE_PACKAGE = {
 def test_flatten_rewrites_relative_imports_and_the_result_runs(tmp_path):
     flat = flatten_remote_code(_write_package(tmp_path / "fat5", FAKE_PACKAGE))
     assert set(flat) == {"configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
-                         "graphed_decoding.py", "dispatch.py", "helper.py", "attention.py"}
+                         "graphed_decoding.py", "remote_code.py", "pipeline_fat5.py", "dispatch.py", "helper.py",
+                         "attention.py"}
     assert "from .dispatch import pick" in flat["graphed_decoding.py"]
     assert "from .attention import attend" in flat["modeling_fat5.py"]
     assert "from .dispatch import pick" in flat["attention.py"]

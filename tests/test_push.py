@@ -161,8 +161,18 @@ def test_push_to_a_branch(hub, folders):
 
 def test_invalid_folders_are_never_uploaded(hub, folders, tmp_path):
     converted, bundled = folders
-    with pytest.raises(PushError, match="no auto_map entry for AutoConfig"):
+    # a converted folder loads as remote code (every FAT5 save writes its code) but `fat5 bundle` did not check it
+    with pytest.raises(PushError, match="has no fat5_manifest.json"):
         push(converted, "someone/fat5-tiny")
+    without_auto_map = tmp_path / "without_auto_map"
+    without_auto_map.mkdir()
+    for name, content in _bundle_files(converted).items():
+        (without_auto_map / name).write_bytes(content)
+    config = json.loads((converted / "config.json").read_text())
+    del config["auto_map"]
+    (without_auto_map / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PushError, match="no auto_map entry for AutoConfig"):
+        push(without_auto_map, "someone/fat5-tiny")
     broken = tmp_path / "broken"
     broken.mkdir()
     for name, content in _bundle_files(bundled).items():
@@ -327,6 +337,6 @@ def test_push_command_line(hub, folders, capsys):
     )
     assert (args.private, args.revision, args.commit_message, args.dry_run) == (True, "dev", "m", True)
     args = parser.parse_args(["push", str(converted), "someone/fat5-tiny"])
-    with pytest.raises(PushError, match="no auto_map entry"):
+    with pytest.raises(PushError, match="has no fat5_manifest.json"):
         args.func(args)
     assert hub.requests == []

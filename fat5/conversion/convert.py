@@ -48,6 +48,15 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # transformers' class-name prefix for each supported `model_type`
 FAMILY_PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
+# T5-like families whose computation FAT5 does not have, with why and what runs them
+REFUSED_FAMILIES = {
+    "longt5": "LongT5's encoder attends locally / through transient global tokens, which FAT5's attention does not "
+              "compute; use transformers' LongT5ForConditionalGeneration",
+    "switch_transformers": "Switch Transformers' feed-forward layers are mixtures of experts, which FAT5 does not "
+                           "have; use transformers' SwitchTransformersForConditionalGeneration",
+    "t5gemma": "T5Gemma uses grouped-query attention, sliding windows and logit soft-capping, which FAT5 does not; "
+               "use transformers' T5GemmaForConditionalGeneration",
+}
 # the architectures conversion handles, by the suffix shared by transformers' and FAT5's class names
 ARCHITECTURE_SUFFIXES = ("ForConditionalGeneration", "EncoderModel", "Model")
 # T5's config fields that FAT5Config takes over unchanged
@@ -370,6 +379,8 @@ def _convert_into(
     model_type = raw.get("model_type")
     if model_type == "fat5":
         raise ConversionError(f"{source_name} is already a FAT5 checkpoint")
+    if model_type in REFUSED_FAMILIES:
+        raise ConversionError(f"{source_name}: cannot convert a {model_type!r} model: {REFUSED_FAMILIES[model_type]}")
     if model_type not in FAMILY_PREFIX:
         raise ConversionError(
             f"{source_name}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILY_PREFIX)})"

@@ -1,20 +1,16 @@
 """Turn a FAT5 model folder into a flat, self-contained folder the Hub serves as-is to `trust_remote_code=True`.
 
-transformers loads remote code from files beside `config.json` and follows only relative imports written
-`from .name import ...` (it finds them with a regular expression, then copies `name.py` next to the module); it
-has no sub-packages. So the package's remote-code files (`REMOTE_CODE_ROOT_FILES`: the configuration, the
-modelling, the position encoding, the token layout and the graphed decoding; and `kernels/*.py`) become sibling
-files, their relative imports are rewritten to name the sibling, and every import of a sibling is made visible to
-that regular expression. A bundle is checked before it
-is kept: no file imports `fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh
-Python process in which neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
+The flat remote code is what every FAT5 `save_pretrained` writes (`fat5.remote_code`: the package's remote-code
+files as siblings, relative imports rewritten, `auto_map` and `custom_pipelines` in config.json). A bundle adds the
+tokenizer, the conversion report, a model card and a manifest, and is checked before it is kept: no file imports
+`fat5`, every sibling import resolves to a bundled file, and the folder loads in a fresh Python process in which
+neither `fat5` nor `triton` can be imported, giving the in-package model's outputs.
 """
 
 import ast
 import json
 import os
 import pickle
-import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +23,6 @@ import torch
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
-REMOTE_CODE_ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
-                          "graphed_decoding.py")
-KERNELS_PACKAGE = "kernels"
 REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
 # `push` refuses a folder whose files differ from it
@@ -37,22 +30,6 @@ MANIFEST_FILE = "fat5_manifest.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 VALIDATION_TOLERANCE = 1e-5
 VALIDATION_TIMEOUT_S = 900
-
-# auto class -> FAT5 class, for folders whose weights hold a decoder and for encoder-only ones
-SEQ2SEQ_AUTO_MAP = {
-    "AutoModel": "FAT5Model",
-    "AutoModelForSeq2SeqLM": "FAT5ForConditionalGeneration",
-    # what the "text-generation" pipeline loads (it serves T5 through config.architectures, which remote code lacks)
-    "AutoModelForCausalLM": "FAT5ForConditionalGeneration",
-    "AutoModelForTextEncoding": "FAT5EncoderModel",
-    "AutoModelForSequenceClassification": "FAT5ForSequenceClassification",
-    "AutoModelForTokenClassification": "FAT5ForTokenClassification",
-    "AutoModelForQuestionAnswering": "FAT5ForQuestionAnswering",
-}
-ENCODER_AUTO_MAP = {**SEQ2SEQ_AUTO_MAP, "AutoModel": "FAT5EncoderModel"}
-del ENCODER_AUTO_MAP["AutoModelForSeq2SeqLM"], ENCODER_AUTO_MAP["AutoModelForCausalLM"]
-SEQ2SEQ_ARCHITECTURES = ("FAT5ForConditionalGeneration", "FAT5Model")
-
 
 class BundleError(FAT5Error):
     """A model folder that cannot be bundled, or a bundle that fails its checks."""
@@ -73,112 +50,14 @@ class BundleResult:
 # ----------------------------------------------------------------------------------------------- flattening
 
 
-def _package_dir() -> Path:
-    import fat5
-
-    return Path(fat5.__file__).parent
-
-
-def _remote_modules(package_dir: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every file that ships as remote code."""
-    modules = {f"{PACKAGE}.{name[:-3]}": package_dir / name for name in REMOTE_CODE_ROOT_FILES}
-    for path in sorted((package_dir / KERNELS_PACKAGE).glob("*.py")):
-        if path.name != "__init__.py":
-            modules[f"{PACKAGE}.{KERNELS_PACKAGE}.{path.stem}"] = path
-    for path in modules.values():
-        if not path.is_file():
-            raise BundleError(f"remote-code file {path} is missing from the fat5 package")
-    flat_names = [name.rpartition(".")[2] for name in modules]
-    duplicated = sorted({name for name in flat_names if flat_names.count(name) > 1})
-    if duplicated:
-        raise BundleError(f"remote-code files would collide once flattened: {duplicated}")
-    return modules
-
-
-def _resolve(module_name: str, node: ast.ImportFrom) -> str:
-    """The absolute module a relative `from` import in `module_name` names."""
-    package_parts = module_name.split(".")[:-1]
-    if node.level - 1 > len(package_parts) - 1:
-        raise BundleError(f"{module_name}: relative import beyond the fat5 package (line {node.lineno})")
-    base = package_parts[: len(package_parts) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
-def _flatten_source(module_name: str, source: str, flat: dict[str, str]) -> str:
-    """`source` of `module_name` with every import of a fat5 module rewritten to its flat sibling.
-
-    `flat` maps dotted module names to flat names. `from .kernels.attention import f` becomes
-    `from .attention import f`; `from . import x as y` (a sibling module imported whole, which transformers does not
-    see) is kept and preceded by `from .x import __name__ as _remote_code_x`, which makes transformers copy `x.py`.
-    """
-    lines = source.splitlines(keepends=True)
-    replacements: dict[int, tuple[int, list[str]]] = {}  # first line index -> (last line index, new lines)
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
-            _check_not_absolute_fat5_import(module_name, node)
-        elif isinstance(node, ast.ImportFrom):
-            replacements[node.lineno - 1] = _flat_import(module_name, node, lines, flat)
-    output, index = [], 0
-    while index < len(lines):
-        if index in replacements:
-            last, new_lines = replacements[index]
-            output.extend(new_lines)
-            index = last + 1
-        else:
-            output.append(lines[index])
-            index += 1
-    return "".join(output)
-
-
-def _check_not_absolute_fat5_import(module_name: str, node: ast.Import | ast.ImportFrom) -> None:
-    names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-    for name in names:
-        if name.split(".")[0] == PACKAGE:
-            raise BundleError(f"{module_name} imports {name} absolutely (line {node.lineno})")
-
-
-def _flat_import(
-    module_name: str, node: ast.ImportFrom, lines: list[str], flat: dict[str, str]
-) -> tuple[int, list[str]]:
-    """The relative import `node` of `module_name` rewritten for the flat folder, as (the index of its last line,
-    the lines that replace it); a `BundleError` when it imports something that does not ship as remote code."""
-    target = _resolve(module_name, node)
-    first = lines[node.lineno - 1]
-    if target in flat:
-        match = re.compile(r"from\s+\.+[\w.]*\s+import").match(first, node.col_offset)
-        if match is None:
-            raise BundleError(f"{module_name}: cannot rewrite the import on line {node.lineno}: {first.strip()}")
-        return node.lineno - 1, [first[: match.start()] + f"from .{flat[target]} import" + first[match.end() :]]
-    if target in {PACKAGE, f"{PACKAGE}.{KERNELS_PACKAGE}"}:
-        indent = first[: len(first) - len(first.lstrip())]
-        statements = []
-        for alias in node.names:
-            submodule = f"{target}.{alias.name}"
-            if submodule not in flat:
-                raise BundleError(
-                    f"{module_name} imports {alias.name} from {target} (line {node.lineno}), which is not a "
-                    "remote-code module"
-                )
-            name = flat[submodule]
-            statements.append(f"{indent}from .{name} import __name__ as _remote_code_{name}\n")
-            statements.append(f"{indent}from . import {name} as {alias.asname or alias.name}\n")
-        return node.end_lineno - 1, statements
-    if target.startswith(f"{PACKAGE}.{KERNELS_PACKAGE}."):
-        raise BundleError(
-            f"{module_name} imports {target} (line {node.lineno}), but fat5/{KERNELS_PACKAGE}/"
-            f"{target.rpartition('.')[2]}.py does not exist: the remote code would fail to load"
-        )
-    raise BundleError(f"{module_name} imports {target} (line {node.lineno}), which does not ship as remote code")
-
-
 def flatten_remote_code(package_dir: Path | None = None) -> dict[str, str]:
-    """File name -> text of the flat remote code: configuration, modeling and kernel files as siblings."""
-    modules = _remote_modules(package_dir or _package_dir())
-    flat = {name: name.rpartition(".")[2] for name in modules}
-    files = {
-        f"{flat[name]}.py": _flatten_source(name, path.read_text(encoding="utf-8"), flat)
-        for name, path in modules.items()
-    }
+    """File name -> text of the flat remote code (`fat5.remote_code.remote_code_files`), checked."""
+    from fat5.remote_code import RemoteCodeError, remote_code_files
+
+    try:
+        files = remote_code_files(package_dir or Path(__file__).parents[1])
+    except RemoteCodeError as error:
+        raise BundleError(str(error)) from None
     check_flat_code(files)
     return files
 
@@ -215,19 +94,6 @@ def check_flat_code(files: dict[str, str]) -> None:
                 problems.append(f"{name} imports siblings transformers would not copy: {hidden}")
     if problems:
         raise BundleError("the flattened remote code is not self-contained:\n  " + "\n  ".join(problems))
-
-
-def auto_map_for(architecture: str, modeling_source: str) -> dict[str, str]:
-    """`auto_map` for a folder holding `architecture` weights: AutoConfig plus every auto class FAT5 defines."""
-    defined = {node.name for node in ast.parse(modeling_source).body if isinstance(node, ast.ClassDef)}
-    mapping = SEQ2SEQ_AUTO_MAP if architecture in SEQ2SEQ_ARCHITECTURES else ENCODER_AUTO_MAP
-    auto_map = {"AutoConfig": "configuration_fat5.FAT5Config"}
-    auto_map.update({auto: f"modeling_fat5.{name}" for auto, name in mapping.items() if name in defined})
-    required = ["AutoModel"] + (["AutoModelForSeq2SeqLM"] if architecture in SEQ2SEQ_ARCHITECTURES else [])
-    absent = [auto for auto in required if auto not in auto_map]
-    if absent:
-        raise BundleError(f"modeling_fat5.py lacks the classes for {absent}")
-    return auto_map
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -349,6 +215,8 @@ def validate_bundle(folder, compare_with_package: bool = True, tolerance: float 
     if not compare_with_package:
         return figures
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    from fat5.remote_code import SEQ2SEQ_ARCHITECTURES
+
     seq2seq = (config.get("architectures") or [""])[0] in SEQ2SEQ_ARCHITECTURES
     batch = comparison_batch(int(config["vocab_size"]))
     mask = batch["decoder_attention_mask" if seq2seq else "attention_mask"]
@@ -489,12 +357,10 @@ def bundle(
     code = flatten_remote_code()
     # a bundle may go inside the model's folder (`fat5 finetune` writes one there), never around it
     with atomic_directory(out, overwrite=overwrite, inputs=[model_dir], inside_inputs_ok=True) as folder:
+        # save_pretrained writes the remote code and names it in config.json; the checked copy goes over it
         architecture, _ = _weights_and_config(model_dir, folder, max_shard_size)
-        auto_map = auto_map_for(architecture, code["modeling_fat5.py"])
-        config_path = folder / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        config["auto_map"] = auto_map
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        auto_map = config["auto_map"]
         for name, text in code.items():
             (folder / name).write_text(text, encoding="utf-8")
         copy_side_files(model_dir, folder)
