@@ -371,10 +371,10 @@ def test_an_existing_output_fails_before_anything_is_read(converted, tmp_path, m
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, in which no folder can be made")
-@pytest.mark.parametrize("options", [{}, {"bundle": True}])
-def test_an_output_folder_that_cannot_be_made(converted, options):
+@pytest.mark.parametrize("convert_to_folder", [convert, convert_to_hub_folder])
+def test_an_output_folder_that_cannot_be_made(converted, convert_to_folder):
     with pytest.raises(FAT5Error, match="cannot create a folder beside /proc/fat5-out"):
-        convert(converted["t5"][0], "/proc/fat5-out", **options)
+        convert_to_folder(converted["t5"][0], "/proc/fat5-out")
     with pytest.raises(FAT5Error, match="cannot create a folder beside /proc/fat5-out"):
         export_hf(converted["t5"][1], "/proc/fat5-out")
 
