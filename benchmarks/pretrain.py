@@ -151,7 +151,8 @@ def write_corpus(documents: int, folder) -> str:
 
     path = Path(folder) / "scenes.jsonl"
     with open(path, "w") as handle:
-        handle.writelines(json.dumps({"text": text}) + "\n" for text in itertools.islice(shakespeare_texts(), documents))
+        texts = itertools.islice(shakespeare_texts(), documents)
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
     return str(path)
 
 
@@ -196,7 +197,8 @@ def t5_fields(config) -> dict:
     """The T5Config fields of a FAT5 model's config (those FAT5 shares with T5, and the output layer's tie)."""
     from fat5.conversion.convert import CONFIG_FIELDS
 
-    return {field: getattr(config, field) for field in (*CONFIG_FIELDS, "tie_word_embeddings") if hasattr(config, field)}
+    fields = (*CONFIG_FIELDS, "tie_word_embeddings")
+    return {field: getattr(config, field) for field in fields if hasattr(config, field)}
 
 
 def parse_config_overrides(parser, pairs: list[str]) -> dict:

@@ -266,7 +266,8 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
     one process, and its loss follows the 1-GPU run that accumulates the two batches of a step."""
     pytest.importorskip("datasets", reason="fat5 pretrain and fat5 finetune read their data through `datasets`")
     if accelerate_config == "deepspeed_zero2":
-        pytest.importorskip("deepspeed", reason="examples/accelerate/deepspeed_zero2.yaml needs `pip install deepspeed`")
+        pytest.importorskip("deepspeed",
+                            reason="examples/accelerate/deepspeed_zero2.yaml needs `pip install deepspeed`")
     reference, control = one_gpu_runs(job)
     config = job_config(job, tokenizer_dir, tiny_model, accumulation=1, device="cuda")
     double = run_job(job, tmp_path, f"{job}-{accelerate_config}", config, accelerate_config, device="cuda")
@@ -282,7 +283,8 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
 
     saved = load_file(double / "model.safetensors")
     expected = load_file(reference / "model.safetensors")
-    assert {name: value.shape for name, value in saved.items()} == {name: value.shape for name, value in expected.items()}
+    assert ({name: value.shape for name, value in saved.items()}
+            == {name: value.shape for name, value in expected.items()})
     assert evaluation_loss(double) == pytest.approx(evaluation_loss(reference), rel=tolerance)
     assert not (double / ".final-model.tmp").exists()
 

@@ -156,7 +156,8 @@ def test_data_loads_from_files_and_dataset_names(source, tiny_model, tmp_path):
     assert (len(setup.train_dataset), len(setup.eval_dataset)) == (48, 16)
     first = setup.train_dataset[0]
     assert first["input_ids"] == setup.tokenizer(ROWS[0]["document"])["input_ids"]
-    assert first["labels"] == setup.tokenizer(text_target=ROWS[0]["summary"], max_length=24, truncation=True)["input_ids"]
+    labels = setup.tokenizer(text_target=ROWS[0]["summary"], max_length=24, truncation=True)["input_ids"]
+    assert first["labels"] == labels
 
 
 # ----------------------------------------------------------------------------------------------- LoRA

@@ -186,7 +186,8 @@ def test_packing_on_a_lognormal_corpus():
     padding, _ = total_padding(stream)
     naive = naive_padding(sequences, 1024, batch_size=16)
     print(
-        f"log-normal lengths (median {np.median(lengths):.0f}), 1024-token rows: packed {padding:.2%}, naive {naive:.2%}"
+        f"log-normal lengths (median {np.median(lengths):.0f}), 1024-token rows: packed {padding:.2%}, "
+        f"naive {naive:.2%}"
     )
     assert padding <= 0.05 < naive
 

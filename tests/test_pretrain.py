@@ -159,7 +159,8 @@ def test_ctrl_c_says_how_to_resume(straight_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(pretrain_module, "pretrain", interrupted)
     assert main(["pretrain", "--output-dir", str(tmp_path / "run")]) == 130
     message = capsys.readouterr().err
-    assert f"`fat5 pretrain --output-dir {tmp_path / 'run'} --resume` continues from {tmp_path / 'run' / 'checkpoint-4'}" in message
+    run = tmp_path / "run"
+    assert f"`fat5 pretrain --output-dir {run} --resume` continues from {run / 'checkpoint-4'}" in message
     assert main(["pretrain", "--output-dir", str(tmp_path / "empty")]) == 130
     assert "no checkpoint was written yet; `fat5 pretrain --output-dir" in capsys.readouterr().err
 

@@ -133,7 +133,8 @@ def test_merged_runs_compare_speed_and_loss_curves_against_two_seeds(pretrain_be
     profiled = dict(run("fat5", 0, reference, 600.0), profiled_gflop_per_step={"dense": 40e3, "attention": 10e3},
                     profile={"kernel_ms_by_kind": {"matrix products": 60.0, "attention backward": 40.0},
                              "kernel_ms": 100.0, "device_ms": 101.0, "host_enqueue_ms": 20.0,
-                             "host_synchronisations": 0, "time_bounds": {"attention_bound_tflops": 500.0, "peak_tflops": 1000.0,
+                             "host_synchronisations": 0,
+                             "time_bounds": {"attention_bound_tflops": 500.0, "peak_tflops": 1000.0,
                                              "mfu_kernels": 0.123}})
     first = result_file(tmp_path / "a.json", [profiled, run("fat5", 1, other_seed, 610.0)])
     second = result_file(tmp_path / "b.json", [run("transformers", 0, transformers, 150.0)])

@@ -39,8 +39,10 @@ def _run_finetune(args: argparse.Namespace) -> int:
         result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,
                                        overwrite=args.overwrite, resume=args.resume)
     except KeyboardInterrupt:
-        output_dir = load_finetune_config(args.config, output_dir=args.output_dir, overrides=args.overrides)["output_dir"]
-        command = " ".join(["fat5 finetune", args.config, *(["--output-dir", args.output_dir] if args.output_dir else []),
+        config = load_finetune_config(args.config, output_dir=args.output_dir, overrides=args.overrides)
+        output_dir = config["output_dir"]
+        output_option = ["--output-dir", args.output_dir] if args.output_dir else []
+        command = " ".join(["fat5 finetune", args.config, *output_option,
                             *(f"--set {override}" for override in args.overrides)])
         print(f"fat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
         raise

@@ -159,6 +159,7 @@ def reference_lines(cls, indent: str = "", sections: dict | None = None) -> list
             lines.append(f"{indent}{key.name}:  # {key.metadata['help']}")
             lines += reference_lines(inner, indent + "  ")
             continue
-        value = yaml.safe_dump(default(key), default_flow_style=True, width=1 << 16, sort_keys=False).removesuffix("...\n").strip()
+        value = yaml.safe_dump(default(key), default_flow_style=True, width=1 << 16, sort_keys=False)
+        value = value.removesuffix("...\n").strip()
         lines.append(f"{indent}{key.name}: {value}  # {key.metadata['help']}")
     return lines

@@ -10,7 +10,8 @@ from ..errors import FAT5Error
 
 # PEFT's task type, and the head that trains in full beside the adapters, per task
 PEFT_TASK_TYPES = {"seq2seq": "SEQ_2_SEQ_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
-HEAD_MODULES = {"seq2seq": None, "sequence_classification": ["classification_head"], "token_classification": ["classifier"]}
+HEAD_MODULES = {"seq2seq": None, "sequence_classification": ["classification_head"],
+                "token_classification": ["classifier"]}
 ATTENTION_PROJECTIONS = ["q", "k", "v", "o"]
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 

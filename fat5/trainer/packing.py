@@ -267,10 +267,11 @@ def bucket_batches(
     order = np.argsort(fill, kind="stable")
     batches, start = [], 0
     while start < len(order):
-        for index, (width, rows) in enumerate(zip(buckets.target_widths, buckets.rows)):
-            end = min(start + rows, len(order))
-            if fill[order[end - 1]] <= width:
-                break
+        # the first bucket whose rows, filled from here, all fit its width (the widest holds every row)
+        index = next(index for index, (width, rows) in enumerate(zip(buckets.target_widths, buckets.rows))
+                     if fill[order[min(start + rows, len(order)) - 1]] <= width)
+        rows = buckets.rows[index]
+        end = min(start + rows, len(order))
         if end - start == rows or not drop_last:
             batches.append((order[start:end], index))
         start = end

@@ -203,8 +203,8 @@ class PretrainConfig:
     ul2: object = field(default=None, metadata=about(
         "null: the FAT5 recipe (fat5/trainer/configs/ul2_default.yaml); or a YAML path, or the mixture itself", _ul2))
     training: dict = field(default_factory=lambda: dict(DEFAULT_TRAINING), metadata=about(
-        "FAT5TrainingArguments fields (Seq2SeqTrainingArguments + torch_compile_regional) but output_dir (--output-dir) "
-        "and the torch_compile ones (the compile section); a config's keys update these",
+        "FAT5TrainingArguments fields (Seq2SeqTrainingArguments + torch_compile_regional) but output_dir "
+        "(--output-dir) and the torch_compile ones (the compile section); a config's keys update these",
         _training))
     compile: CompileSection = field(default_factory=CompileSection, metadata=about("the training step's compilation"))
 

@@ -77,7 +77,8 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
 
 
 # what a scalar field of the training arguments may hold; YAML gives these types, and a value of another one reaches
-# the Trainer unchecked (a learning rate written 3e-4 is the string "3e-4" in YAML 1.1, a TypeError deep in the optimizer)
+# the Trainer unchecked (a learning rate written 3e-4 is the string "3e-4" in YAML 1.1, a TypeError deep in the
+# optimizer)
 _SCALAR_KINDS = {int: "an integer", float: "a number", bool: "true or false", type(None): "null"}
 
 
