@@ -159,24 +159,25 @@ def test_push_to_a_branch(hub, folders):
     assert "/api/models/someone/fat5-tiny/commit/dev" in paths
 
 
+def _copy_of(source: Path, folder: Path) -> Path:
+    folder.mkdir()
+    for name, content in _bundle_files(source).items():
+        (folder / name).write_bytes(content)
+    return folder
+
+
 def test_invalid_folders_are_never_uploaded(hub, folders, tmp_path):
     converted, bundled = folders
     # a converted folder loads as remote code (every FAT5 save writes its code) but `fat5 bundle` did not check it
     with pytest.raises(PushError, match="has no fat5_manifest.json"):
         push(converted, "someone/fat5-tiny")
-    without_auto_map = tmp_path / "without_auto_map"
-    without_auto_map.mkdir()
-    for name, content in _bundle_files(converted).items():
-        (without_auto_map / name).write_bytes(content)
+    without_auto_map = _copy_of(converted, tmp_path / "without_auto_map")
     config = json.loads((converted / "config.json").read_text())
     del config["auto_map"]
     (without_auto_map / "config.json").write_text(json.dumps(config))
     with pytest.raises(PushError, match="no auto_map entry for AutoConfig"):
         push(without_auto_map, "someone/fat5-tiny")
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for name, content in _bundle_files(bundled).items():
-        (broken / name).write_bytes(content)
+    broken = _copy_of(bundled, tmp_path / "broken")
     (broken / "modeling_fat5.py").write_text("raise RuntimeError('deliberately broken')\n")
     with pytest.raises(PushError, match="refusing to upload .*RuntimeError: deliberately broken$"):
         push(broken, "someone/fat5-tiny", force=True)  # one line: the clean process's exception, not its traceback
