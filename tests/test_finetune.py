@@ -160,6 +160,35 @@ def test_data_loads_from_files_and_dataset_names(source, tiny_model, tmp_path):
     assert first["labels"] == labels
 
 
+def folder_fingerprint(folder: Path) -> dict:
+    """Every file under ``folder`` by name, with a hash of its bytes."""
+    import hashlib
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_the_data_folders_read_are_never_written_to(tiny_model, tmp_path):
+    """datasets writes its cache files beside the data it read from a save_to_disk folder, unless told otherwise;
+    loading the folder as data files then fails on them. A job leaves the user's folders as they were."""
+    import datasets
+
+    rows = {key: [row[key] for row in ROWS] for key in ("document", "summary")}
+    saved, jsonl = tmp_path / "saved", tmp_path / "jsonl"
+    datasets.Dataset.from_dict(rows).save_to_disk(saved)
+    jsonl.mkdir()
+    shutil.copyfile(DATA, jsonl / "train.jsonl")
+    before = {folder: folder_fingerprint(folder) for folder in (saved, jsonl)}
+    for name, source in (("saved", {"train_file": str(saved)}),
+                         ("jsonl", {"train_file": None, "dataset_name": str(jsonl)})):
+        config = seq2seq_config(tiny_model, tmp_path / f"run-{name}", max_steps=1)
+        config["data"].update(source)
+        finetune(config)
+    assert {folder: folder_fingerprint(folder) for folder in (saved, jsonl)} == before
+    assert len(datasets.load_from_disk(str(saved))) == len(ROWS)
+    assert len(datasets.load_dataset(str(jsonl), split="train")) == len(ROWS)
+
+
 # ----------------------------------------------------------------------------------------------- LoRA
 
 CLEAN_PROCESS_SCRIPT = r"""

@@ -228,3 +228,33 @@ def test_cli_reports_mistakes_without_a_traceback(tmp_path):
     )
     assert completed.returncode == 2
     assert "missing.yaml: no such file" in completed.stderr and "Traceback" not in completed.stderr
+
+
+def test_the_corpus_folders_read_are_never_written_to(tmp_path):
+    """A save_to_disk folder and a folder of JSONL files, read as the corpus: byte for byte as they were after the
+    job, and still loadable (datasets would write its cache files beside the saved dataset unless told otherwise)."""
+    import datasets
+    from helpers import ROWS, TINY_PRETRAIN
+
+    from fat5.trainer.data import load_text_dataset
+
+    texts = [row["document"] for row in ROWS]
+    saved, jsonl = tmp_path / "saved", tmp_path / "jsonl"
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(saved)
+    jsonl.mkdir()
+    (jsonl / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    before = {folder: folder_fingerprint(folder) for folder in (saved, jsonl)}
+    for folder in (saved, jsonl):
+        overrides = {"data": {"corpus": None, "path": str(folder)}, "training": {"max_steps": 1, "eval_strategy": "no"}}
+        pretrain(TINY_PRETRAIN, tmp_path / f"run-{folder.name}", overrides=overrides)
+    assert {folder: folder_fingerprint(folder) for folder in (saved, jsonl)} == before
+    assert len(datasets.load_from_disk(str(saved))) == len(ROWS)
+    assert len(load_text_dataset(str(jsonl))) == len(ROWS)
+
+
+def folder_fingerprint(folder) -> dict:
+    """Every file under ``folder`` by name, with a hash of its bytes."""
+    import hashlib
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}

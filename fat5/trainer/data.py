@@ -123,6 +123,23 @@ def load_text_dataset(
     return dataset
 
 
+def cache_file_outside_user_data(dataset, step: str, *identity) -> str | None:
+    """Where a ``.map`` / ``.filter`` of ``dataset`` keeps its result: None (datasets' own choice) unless the dataset
+    was read from a folder of the user's (``load_from_disk``), beside whose files datasets would write its
+    ``cache-*.arrow`` (after which ``load_dataset(folder)`` fails on them); then a file in datasets' cache folder named
+    by the input's fingerprint, ``step`` and ``identity`` (what the step depends on: its function, its arguments).
+    A job never writes inside the data it reads."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    folders = {Path(entry["filename"]).resolve().parent for entry in dataset.cache_files}
+    cache_root = Path(datasets.config.HF_DATASETS_CACHE).resolve()
+    if all(folder.is_relative_to(cache_root) for folder in folders):
+        return None
+    name = Hasher.hash([dataset._fingerprint, step, *identity])
+    return str(cache_root / "fat5-derived" / f"{step}-{name}.arrow")
+
+
 def tokenize_dataset(
     dataset,
     tokenizer,
@@ -167,6 +184,7 @@ def tokenize_dataset(
         remove_columns=remove,
         features=features,
         desc="Tokenizing",
+        cache_file_name=cache_file_outside_user_data(dataset, "tokenize", encode, batch_size, remove, features),
     )
     if save_path is not None:
         tokenized.save_to_disk(str(save_path))

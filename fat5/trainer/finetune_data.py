@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import FAT5Error
+from .data import cache_file_outside_user_data
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
@@ -73,7 +74,12 @@ def load_raw_datasets(data: dict):
         source = data["dataset_name"] or data["train_file"]
         raise FAT5Error(f"data: cannot load {source}: {type(error).__name__}: {error}") from None
     if "validation" not in raw and data["validation_fraction"] is not None:
-        split = raw["train"].train_test_split(test_size=data["validation_fraction"], seed=0)
+        fraction, train = data["validation_fraction"], raw["train"]
+        split = train.train_test_split(
+            test_size=fraction, seed=0,
+            train_indices_cache_file_name=cache_file_outside_user_data(train, "split-train", fraction),
+            test_indices_cache_file_name=cache_file_outside_user_data(train, "split-validation", fraction),
+        )
         raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
     for key, dataset in raw.items():
         missing = [c for c in (data["text_column"], data["target_column"]) if c not in dataset.column_names]
@@ -168,19 +174,28 @@ def tokenize_datasets(raw, tokenizer, task: str, data: dict, label_ids: dict | N
     if task == "seq2seq":
         for dataset in raw.values():
             _check_text_column(dataset, target_column, words=False)
+    columns = [text_column, target_column]
     raw = raw.filter(
-        lambda text, target: text is not None and target is not None and len(text) > 0,
-        input_columns=[text_column, target_column],
+        _has_text_and_target,
+        input_columns=columns,
+        cache_file_names={key: cache_file_outside_user_data(split, "filter", columns) for key, split in raw.items()},
     )
     preprocess = {"seq2seq": _seq2seq_examples, "sequence_classification": _sequence_classification_examples,
                   "token_classification": _token_classification_examples}[task]
+    identity = (task, preprocess, tokenizer, data, label_ids)
+    cache_files = {key: cache_file_outside_user_data(split, "tokenize", *identity) for key, split in raw.items()}
     return raw.map(
         lambda batch: preprocess(batch, tokenizer, data, label_ids),
         batched=True,
         remove_columns=raw["train"].column_names,
         num_proc=data["preprocessing_num_workers"],
         desc="tokenizing",
+        cache_file_names=cache_files,
     )
+
+
+def _has_text_and_target(text, target) -> bool:
+    return text is not None and target is not None and len(text) > 0
 
 
 def _encode_sources(batch, tokenizer, data: dict):
