@@ -189,6 +189,31 @@ def test_the_data_folders_read_are_never_written_to(tiny_model, tmp_path):
     assert len(datasets.load_dataset(str(jsonl), split="train")) == len(ROWS)
 
 
+@pytest.mark.parametrize("missing", ["rouge_score", "eos token"])
+def test_what_the_job_needs_is_checked_before_any_training(missing, tiny_model, tmp_path, monkeypatch):
+    """A job without the package its metric imports, or whose tokenizer lacks the token its targets end with, fails in
+    one line naming the fix before a trainer is built (not after training, at the first evaluation)."""
+    from fat5.trainer import trainer as trainer_module
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("a trainer was built")
+
+    monkeypatch.setattr(trainer_module.FAT5Trainer, "__init__", no_trainer)
+    config = seq2seq_config(tiny_model, tmp_path / "run", max_steps=1)
+    if missing == "rouge_score":
+        monkeypatch.setitem(sys.modules, "rouge_score", None)
+        expected = "pip install rouge_score"
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        tokenizer.eos_token = None
+        tokenizer.save_pretrained(tmp_path / "tokenizer")
+        config["tokenizer"] = str(tmp_path / "tokenizer")
+        expected = "no end-of-sequence"
+    with pytest.raises(FAT5Error, match=expected):
+        finetune(config)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 # ----------------------------------------------------------------------------------------------- LoRA
 
 CLEAN_PROCESS_SCRIPT = r"""

@@ -69,6 +69,9 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
     tokenizer = load_tokenizer(config["tokenizer"] or model_path, config["task"])
     raw = load_raw_datasets(config["data"])
     args = training_arguments(config, has_eval_data="validation" in raw)
+    # what the job needs later (a metric's package, a writable folder, the tokenizer's tokens) is checked now
+    compute_metrics = _compute_metrics(config["task"], tokenizer, args) if "validation" in raw else None
+    _check_job_needs(config, tokenizer)
     model_kwargs, label_ids = _model_kwargs(config, raw)
     # under several processes the main one tokenizes first and the others read the datasets cache it wrote
     with args.main_process_first(desc="tokenizing"):
@@ -76,7 +79,7 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
                                       label_ids)
     model = _build_model(config, model_path, model_kwargs, tokenizer, args)
     eval_dataset = tokenized.get("validation")
-    trainer = _build_trainer(config, args, model, tokenizer, tokenized["train"], eval_dataset)
+    trainer = _build_trainer(config, args, model, tokenizer, tokenized["train"], eval_dataset, compute_metrics)
     return FinetuneSetup(config=config, trainer=trainer, model=model, tokenizer=tokenizer,
                          train_dataset=tokenized["train"], eval_dataset=eval_dataset, model_path=model_path,
                          model_kwargs=model_kwargs)
@@ -164,15 +167,32 @@ def _build_model(config: dict, model_path: str, model_kwargs: dict, tokenizer, a
     return apply_lora(model, config["task"], config["lora"])
 
 
-def _build_trainer(config: dict, args, model, tokenizer, train_dataset, eval_dataset):
+def _compute_metrics(task: str, tokenizer, args):
+    """The task's ``compute_metrics``; ROUGE's fails here, naming the package to install, when it is missing."""
     from .metrics import rouge_metric, sequence_classification_metric, token_classification_metric
+
+    if task == "seq2seq":
+        return rouge_metric(tokenizer) if args.predict_with_generate else None
+    return {"sequence_classification": sequence_classification_metric,
+            "token_classification": token_classification_metric}[task]
+
+
+def _check_job_needs(config: dict, tokenizer) -> None:
+    """Before any work: the output folder (or the folder it will be made in) is writable, and a seq2seq tokenizer
+    has the end-of-sequence token its targets end with."""
+    folder = Path(config["output_dir"]).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    if not os.access(folder, os.W_OK):
+        raise FAT5Error(f"output_dir: cannot write in {folder}; choose an output folder you can write to")
+    if config["task"] == "seq2seq" and tokenizer.eos_token_id is None:
+        raise FAT5Error("tokenizer: it has no end-of-sequence (eos) token, which seq2seq targets end with; give a "
+                        "tokenizer with one")
+
+
+def _build_trainer(config: dict, args, model, tokenizer, train_dataset, eval_dataset, compute_metrics):
     from .trainer import FAT5Trainer
 
-    compute_metrics = {
-        "seq2seq": rouge_metric(tokenizer) if args.predict_with_generate else None,
-        "sequence_classification": sequence_classification_metric,
-        "token_classification": token_classification_metric,
-    }[config["task"]]
     return FAT5Trainer(
         model=model,
         args=args,
@@ -180,7 +200,7 @@ def _build_trainer(config: dict, args, model, tokenizer, train_dataset, eval_dat
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=data_collator(config["task"], tokenizer, config["data"]["pad_to_multiple_of"]),
-        compute_metrics=compute_metrics if eval_dataset is not None else None,
+        compute_metrics=compute_metrics,
     )
 
 

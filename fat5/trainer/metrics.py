@@ -99,8 +99,10 @@ def rouge_metric(tokenizer, rouge_types: Sequence[str] | None = None, use_stemme
 
     As transformers' ``run_summarization.py`` computes them (stemming on, one sentence per line for ``rougeLsum``),
     except that each score is the plain mean over the examples, the quantity `evaluate`'s bootstrap ``mid``
-    estimates with random resampling: the same predictions always give the same scores.
+    estimates with random resampling: the same predictions always give the same scores. Without the
+    `rouge_score` package it raises FAT5Error now, not at the first evaluation.
     """
+    _rouge_score_modules()
 
     def compute_metrics(eval_prediction) -> dict:
         predictions = eval_prediction.predictions
