@@ -258,3 +258,24 @@ def folder_fingerprint(folder) -> dict:
 
     return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
             for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_new_shapes_first_steps_are_kept_in_the_log_and_said_once_at_the_end(tmp_path, capfd):
+    """Each new batch shape's first step is in the log history (and pretrain_summary.json) but prints no line of its
+    own: the closing summary gives them all in one."""
+    from helpers import TINY_PRETRAIN
+
+    from fat5.commands.pretrain import print_closing_summary
+
+    output = tmp_path / "run"
+    summary = pretrain(TINY_PRETRAIN, output, overrides={"training": {"max_steps": 3, "logging_steps": 1}})
+    printed = capfd.readouterr().out
+    first_steps = [entry for entry in summary["log_history"] if "first_step_seconds" in entry]
+    assert first_steps and [entry["batch_shapes"] for entry in first_steps] == list(range(1, len(first_steps) + 1))
+    assert json.loads((output / "pretrain_summary.json").read_text())["log_history"] == summary["log_history"]
+    assert "first_step_seconds" not in printed and "'loss'" in printed
+    print_closing_summary(summary, output, elapsed=1.0)
+    closing = [line for line in capfd.readouterr().out.splitlines() if "new batch shapes" in line]
+    total = sum(entry["first_step_seconds"] for entry in first_steps)
+    assert closing == [(f"new batch shapes: {len(first_steps)}, their first steps (compilation included) took "
+                       f"{total:.1f} s in all, {max(e['first_step_seconds'] for e in first_steps):.1f} s at most")]

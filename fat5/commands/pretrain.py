@@ -61,6 +61,10 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
     speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
     if speeds:
         print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")
+    first_steps = [entry["first_step_seconds"] for entry in summary["log_history"] if "first_step_seconds" in entry]
+    if first_steps:
+        print(f"new batch shapes: {len(first_steps)}, their first steps (compilation included) took "
+              f"{sum(first_steps):.1f} s in all, {max(first_steps):.1f} s at most")
     print(f"model and tokenizer saved to {summary['output']}")
     print(f"summary and log history: {output_dir / 'pretrain_summary.json'}")
     curve = output_dir / "loss_curve.png"

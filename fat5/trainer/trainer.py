@@ -249,8 +249,8 @@ class FAT5Trainer(Seq2SeqTrainer):
     last log to this log, all processes: the evaluations, checkpoints and set-up between windows do not count) and
     ``padding_fraction`` (the share of batch slots that held padding); under several processes each is the figure
     of the whole job (losses averaged over every process's batches, tokens and slots summed). The first step of
-    each new batch shape logs ``first_step_seconds`` (its wall time, compilation included) and ``batch_shapes``
-    (the shapes seen so far).
+    each new batch shape adds ``first_step_seconds`` (its wall time, compilation included) and ``batch_shapes``
+    (the shapes seen so far) to ``state.log_history``, unprinted (the console would get a line per new shape).
 
     ``label_smoothing_factor`` smooths FAT5's fused loss, in training and evaluation, with the z-loss kept (where
     transformers' LabelSmoother, which takes the labels away from the model, would drop it); the model's saved config
@@ -442,7 +442,12 @@ class FAT5Trainer(Seq2SeqTrainer):
             torch.cuda.synchronize(loss.device)
         self._shapes_seen.add(shape)
         self.first_step_seconds.append(round(time.perf_counter() - started, 3))
-        super().log({"first_step_seconds": self.first_step_seconds[-1], "batch_shapes": len(self._shapes_seen)})
+        # into the log history (and pretrain_summary.json) without the console line a log prints: a job's report
+        # gives them in one line at its end
+        entry = {"first_step_seconds": self.first_step_seconds[-1], "batch_shapes": len(self._shapes_seen)}
+        if self.state.epoch is not None:
+            entry["epoch"] = self.state.epoch
+        self.state.log_history.append({**entry, "step": self.state.global_step})
         return loss
 
     def _reset_window(self) -> None:
