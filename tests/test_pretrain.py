@@ -92,6 +92,16 @@ def test_resumed_run_retraces_the_uninterrupted_one(straight_run, tmp_path, capf
     for step in (5, 6, 7, 8):
         assert losses(resumed)[step] == pytest.approx(losses(straight)[step], rel=1e-5), step
 
+    # the report says what this process trained (steps 5 to 8, which train_loss averages) and the run's total
+    assert (straight["steps"], straight["resumed_from_step"], straight["steps_this_run"]) == (8, 0, 8)
+    assert (resumed["steps"], resumed["resumed_from_step"], resumed["steps_this_run"]) == (8, 4, 4)
+    assert resumed["train_loss"] == pytest.approx(sum(losses(resumed)[step] for step in (5, 6, 7, 8)) / 4, rel=1e-3)
+    from fat5.commands.pretrain import print_closing_summary
+
+    print_closing_summary(resumed, interrupted, elapsed=60.0)
+    assert capfd.readouterr().out.startswith(
+        "trained 4 steps (resumed from step 4, 8 in all; train_loss covers these 4) in 1.0 min: loss ")
+
 
 @pytest.mark.parametrize("damage", ["only config.json", "no trainer_state.json", "truncated weights",
                                     "truncated optimizer", "damaged trainer_state.json"])

@@ -56,7 +56,11 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
     from ..trainer.metrics import plot_loss_curve
 
     first, last = summary["first_logged_loss"], summary["last_logged_loss"]
-    print(f"trained {summary['steps']} steps in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
+    trained = f"trained {summary['steps']} steps"
+    if summary["resumed_from_step"]:
+        trained = (f"trained {summary['steps_this_run']} steps (resumed from step {summary['resumed_from_step']}, "
+                   f"{summary['steps']} in all; train_loss covers these {summary['steps_this_run']})")
+    print(f"{trained} in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
           + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
     speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
     if speeds:

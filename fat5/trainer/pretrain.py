@@ -412,9 +412,13 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
     metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
     _save_verified(trainer, tokenizer, output_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    resumed_from = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] if checkpoint else 0
     summary = {
         "output": str(output_dir),
+        # the run's total; a resumed run trained steps_this_run of them in this process, and train_loss covers those
         "steps": trainer.state.global_step,
+        "resumed_from_step": resumed_from,
+        "steps_this_run": trainer.state.global_step - resumed_from,
         "first_logged_loss": losses[0] if losses else None,
         "last_logged_loss": losses[-1] if losses else None,
         "train_loss": train_output.training_loss,
