@@ -65,8 +65,9 @@ def test_pretrain_on_a_full_disk(small_disk, tmp_path):
     assert "Traceback" not in pretrained.stderr
     assert line.startswith(f"fat5 pretrain: error: the disk holding {run} is full")
     assert "checkpoint-2 was not written; no complete checkpoint is kept" in line
-    # nothing half-written: no checkpoint folder, no staging folder, no final model
-    assert sorted(path.name for path in run.iterdir()) == ["tokenizer"]
+    # nothing half-written: no checkpoint folder, no staging folder, no final model; the resolved config and the
+    # tokenizer were written whole before training
+    assert sorted(path.name for path in run.iterdir()) == ["pretrain_config.yaml", "tokenizer"]
 
 
 def test_finetune_on_a_full_disk(small_disk, tmp_path, tiny_model):
