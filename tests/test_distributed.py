@@ -465,7 +465,8 @@ def test_benchmark_runs_the_config_with_only_what_a_benchmark_changes(tmp_path):
     import yaml
     from helpers import benchmark_module
 
-    from fat5.trainer.pretrain import CONFIG_DIR, load_config
+    from fat5.trainer.pretrain import CONFIG_DIR
+    from fat5.trainer.pretrain_config import load_pretrain_config
 
     distributed = benchmark_module("distributed")
     source = CONFIG_DIR / "pretrain_minipile.yaml"
@@ -479,11 +480,11 @@ def test_benchmark_runs_the_config_with_only_what_a_benchmark_changes(tmp_path):
     assert (training["max_steps"], training["logging_steps"], training["learning_rate"]) == (7, 2, 1e-3)
     assert (training["save_strategy"], training["eval_strategy"], training["report_to"]) == ("no", "no", "none")
     assert training["optim"] == original["training"]["optim"] and training["bf16"] is True
-    settings = load_config(yaml.safe_load(yaml.safe_dump(config)))
-    assert settings["training"]["max_steps"] == 7
+    settings = load_pretrain_config(yaml.safe_load(yaml.safe_dump(config)))
+    assert settings.training["max_steps"] == 7
 
     tiny = distributed.job_config(SimpleNamespace(tiny=True, config=None, steps=3, logging_steps=1, tokens_per_gpu=512,
                                                   set=[]), None)
     assert "model" not in tiny and "tokenizer" not in tiny  # the built-in default's, beneath
     assert tiny["data"]["tokens_per_batch"] == 512 and tiny["training"]["use_cpu"] is True
-    assert load_config(tiny)["training"]["max_steps"] == 3
+    assert load_pretrain_config(tiny).training["max_steps"] == 3
