@@ -192,7 +192,7 @@ def batch_flops(batch: dict, parameters: dict, model_config) -> tuple[float, flo
 
 
 def prepare_job(config_file: Path, work: Path, batches: int) -> tuple[Path, dict, dict]:
-    """The job prepared once in this process (``fat5.trainer.pretrain.prepare_pretraining``, no training): where
+    """The job prepared once in this process (``fat5.trainer.pretraining.prepare_pretraining``, no training): where
     its tokenizer is (the runs share it), the model FLOPs (forward + backward) per real token of its first
     ``batches`` packed batches, from its own sampler and collator, and its settings."""
     import gc
@@ -202,7 +202,7 @@ def prepare_job(config_file: Path, work: Path, batches: int) -> tuple[Path, dict
     from common import parameter_counts
 
     from fat5.trainer.packing import PlannedDataset
-    from fat5.trainer.pretrain import prepare_pretraining
+    from fat5.trainer.pretraining import prepare_pretraining
 
     job = prepare_pretraining(str(config_file), work / "prepare", overwrite=True)
     parameters = parameter_counts(job.model)
@@ -318,9 +318,9 @@ def parse_arguments():
         args.out = (os.path.join(tempfile.gettempdir(), "fat5_distributed_tiny.json") if args.tiny
                     else str(REPO / "benchmarks" / "results" / "distributed_pretrain.json"))
     if args.config is None and not args.tiny:
-        from fat5.trainer import pretrain
+        from fat5.trainer import pretraining
 
-        args.config = str(Path(pretrain.CONFIG_DIR) / "pretrain_base.yaml")
+        args.config = str(Path(pretraining.CONFIG_DIR) / "pretrain_base.yaml")
     if args.config is not None and not Path(args.config).is_file():
         parser.error(f"no pretraining config at {args.config}: give --config PATH (or --tiny)")
     args.steps = args.steps or (6 if args.tiny else 100)

@@ -44,9 +44,9 @@ from common import curve_differences, environment, markdown_table, write_result
 from fat5.conversion import convert
 from fat5.testing import TINY_MODEL_FIELDS
 from fat5.trainer.data import shakespeare_texts
-from fat5.trainer.finetune import prepare_finetune, training_arguments
 from fat5.trainer.finetune_config import load_finetune_config
 from fat5.trainer.finetune_model import apply_lora
+from fat5.trainer.finetuning import prepare_finetune, training_arguments
 from fat5.trainer.tokenizer import train_tokenizer
 
 logger = logging.getLogger("benchmarks.finetune")

@@ -3,7 +3,7 @@ same examples from the same first weights, in one process, on one device.
 
 * ``fat5``: the job ``fat5 pretrain CONFIG`` runs (``--config``, default the shipped ``pretrain_base.yaml``: T5
   v1.1-base shape, packed UL2 on the built-in Shakespeare corpus, batches in the config's fixed shapes, its
-  compilation, precision, optimizer and workers), built by ``fat5.trainer.pretrain.prepare_pretraining`` with only
+  compilation, precision, optimizer and workers), built by ``fat5.trainer.pretraining.prepare_pretraining`` with only
   what a benchmark must change (``--steps``, the seed; no checkpoints, evaluation, reports or progress bar, one log
   at the end: a log reads the GPU). This script adds its step clock (and ``--profile``) to the job's trainer as
   callbacks, counts each batch by wrapping that trainer's ``training_step`` (callbacks see no batch), and calls
@@ -111,7 +111,7 @@ ATTENTION_ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "res
 
 def shipped_config() -> Path:
     """The shipped ``pretrain_base.yaml``, from the installed package."""
-    from fat5.trainer import pretrain as job_module
+    from fat5.trainer import pretraining as job_module
 
     return Path(job_module.CONFIG_DIR) / "pretrain_base.yaml"
 
@@ -178,7 +178,7 @@ def job_overrides(args, seed: int, initialization: str | None, steps: int, token
 def prepare_job(args, seed: int, initialization: str | None, output_dir, steps: int | None = None, tokenizer=None,
                 extra: dict | None = None):
     """The package's pretraining job of ``args`` (``extra``: more overrides, by section): ``(job, seconds)``."""
-    from fat5.trainer.pretrain import prepare_pretraining
+    from fat5.trainer.pretraining import prepare_pretraining
 
     overrides = job_overrides(args, seed, initialization, steps or args.steps, tokenizer)
     for section, values in (extra or {}).items():

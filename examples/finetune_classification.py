@@ -19,7 +19,7 @@ from example_setup import example_parser, model_folder, short_run_arguments
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.trainer.finetune import finetune
+from fat5.trainer.finetuning import finetune
 
 COLUMNS = {"sequence_classification": ("document", "genre"), "token_classification": ("words", "tags")}
 

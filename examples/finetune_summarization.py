@@ -1,6 +1,6 @@
 """Full finetuning of a FAT5 model on a summarisation-style task, with ROUGE on generated summaries.
 
-It runs the `fat5 finetune` job from Python (`fat5.trainer.finetune.finetune` takes the same configuration as the
+It runs the `fat5 finetune` job from Python (`fat5.trainer.finetuning.finetune` takes the same configuration as the
 YAML files in fat5/trainer/configs/), then loads the finetuned model and summarises a held-out speech.
 
     # a converted checkpoint (fat5 convert google/flan-t5-small out/fat5-flan-t5-small)
@@ -20,7 +20,7 @@ from example_setup import example_parser, model_folder, short_run_arguments
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import fat5  # noqa: F401  (registers FAT5 with transformers' Auto classes)
-from fat5.trainer.finetune import finetune
+from fat5.trainer.finetuning import finetune
 
 
 def main() -> None:

@@ -465,8 +465,8 @@ def test_benchmark_runs_the_config_with_only_what_a_benchmark_changes(tmp_path):
     import yaml
     from helpers import benchmark_module
 
-    from fat5.trainer.pretrain import CONFIG_DIR
     from fat5.trainer.pretrain_config import load_pretrain_config
+    from fat5.trainer.pretraining import CONFIG_DIR
 
     distributed = benchmark_module("distributed")
     source = CONFIG_DIR / "pretrain_minipile.yaml"

@@ -59,7 +59,7 @@ def _drive(run_dir: Path, keep: Path) -> None:
     import tqdm
 
     from fat5.trainer import trainer as trainer_module
-    from fat5.trainer.pretrain import pretrain
+    from fat5.trainer.pretraining import pretrain
 
     # tqdm's monitor thread takes tqdm's lock now and then: a copy forked at that moment would wait on it forever
     tqdm.tqdm.monitor_interval = 0

@@ -22,9 +22,9 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 import fat5
 from fat5 import FAT5Error
 from fat5.testing import make_tiny_model
-from fat5.trainer.finetune import finetune, prepare_finetune, run_finetune
 from fat5.trainer.finetune_config import load_finetune_config
 from fat5.trainer.finetune_model import apply_lora, check_lora_targets, default_lora_targets
+from fat5.trainer.finetuning import finetune, prepare_finetune, run_finetune
 from fat5.trainer.metrics import (
     classification_scores,
     rouge,
@@ -718,7 +718,7 @@ def test_finetune_command(tiny_model, tmp_path, capsys):
 
 def test_ctrl_c_says_how_to_resume(tiny_model, tmp_path, monkeypatch, capsys):
     from fat5.cli import main
-    from fat5.trainer import finetune as finetune_module
+    from fat5.trainer import finetuning as finetune_module
 
     run = tmp_path / "run"
     (run / "checkpoint-3").mkdir(parents=True)

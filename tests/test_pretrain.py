@@ -10,8 +10,8 @@ import pytest
 from helpers import SMALL_PRETRAIN
 
 from fat5.errors import FAT5Error
-from fat5.trainer.pretrain import pretrain
 from fat5.trainer.pretrain_config import load_pretrain_config
+from fat5.trainer.pretraining import pretrain
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_overwrite_never_removes_the_input(tmp_path):
 
 def test_ctrl_c_says_how_to_resume(straight_run, tmp_path, monkeypatch, capsys):
     from fat5.cli import main
-    from fat5.trainer import pretrain as pretrain_module
+    from fat5.trainer import pretraining as pretrain_module
 
     output, _ = straight_run
     shutil.copytree(output / "checkpoint-4", tmp_path / "run" / "checkpoint-4")
@@ -205,7 +205,7 @@ def test_config_mistakes_are_named(tmp_path):
 ])
 def test_the_whole_config_is_checked_before_any_work(tmp_path, monkeypatch, section, change, message):
     """A mistake anywhere in the config is named before the corpus is read or a tokenizer trained."""
-    from fat5.trainer import pretrain as pretrain_module
+    from fat5.trainer import pretraining as pretrain_module
 
     def no_work(*args, **kwargs):
         raise AssertionError("the job started working on an invalid config")

@@ -12,9 +12,9 @@ import yaml
 from helpers import SMALL_PRETRAIN
 
 from fat5.errors import FAT5Error
-from fat5.trainer import pretrain as pretrain_module
-from fat5.trainer.pretrain import pretrain
+from fat5.trainer import pretraining as pretrain_module
 from fat5.trainer.pretrain_config import choose_path, load_pretrain_config
+from fat5.trainer.pretraining import pretrain
 
 CONFIGS = Path(pretrain_module.__file__).parent / "configs"
 

@@ -499,9 +499,9 @@ def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_
     import yaml
 
     from fat5.errors import FAT5Error
-    from fat5.trainer.finetune import finetune
     from fat5.trainer.finetune_config import load_finetune_config
     from fat5.trainer.finetune_data import load_raw_datasets
+    from fat5.trainer.finetuning import finetune
 
     def config(train, validation=None, **training):
         return {"task": "seq2seq", "model": str(tiny_model), "output_dir": str(tmp_path / "run"),

@@ -164,7 +164,7 @@ def test_the_same_corpus_trains_the_same_tokenizer_in_every_process():
 def test_the_same_seed_gives_the_same_tokenizer_and_losses(tmp_path):
     """Two pretraining runs of one config and seed (three default runs used to end at eval losses 5.590, 5.606,
     5.603): the same tokenizer, the same logged losses."""
-    from fat5.trainer.pretrain import pretrain
+    from fat5.trainer.pretraining import pretrain
 
     config = {
         "model": {"d_model": 16, "d_kv": 8, "d_ff": 32, "num_heads": 2, "num_layers": 1},

@@ -2,13 +2,14 @@
 
 import subprocess
 import sys
+from importlib import import_module
 
 import fat5.trainer
 
 # what the README and the docs tell users to import from fat5.trainer
-USED = {"FAT5Trainer", "FAT5TrainingArguments", "UL2DataCollator", "prepare_pretraining", "PretrainConfig",
-        "prepare_finetune", "FinetuneConfig", "load_tokenizer", "train_tokenizer", "UL2Mixture", "load_ul2_config",
-        "UL2PackedBatchSampler", "PlannedDataset", "PackedStreamDataset", "ShapeBuckets"}
+USED = {"FAT5Trainer", "FAT5TrainingArguments", "UL2DataCollator", "pretrain", "prepare_pretraining", "finetune",
+        "PretrainConfig", "prepare_finetune", "FinetuneConfig", "load_tokenizer", "train_tokenizer", "UL2Mixture",
+        "load_ul2_config", "UL2PackedBatchSampler", "PlannedDataset", "PackedStreamDataset", "ShapeBuckets"}
 
 
 def test_every_exported_name_imports_through_the_package():
@@ -19,10 +20,9 @@ def test_every_exported_name_imports_through_the_package():
         value = getattr(fat5.trainer, name)
         owner = sys.modules[f"fat5.trainer.{fat5.trainer._MODULE_OF[name]}"]
         assert getattr(owner, name) is value, name
-    # the jobs' modules are the package's attributes of their names, their functions inside
-    from fat5.trainer import finetune, pretrain
-
-    assert callable(pretrain.pretrain) and callable(finetune.finetune)
+    # the jobs' functions stay the package's attributes once their modules are imported
+    pretraining, finetuning = (import_module(f"fat5.trainer.{name}") for name in ("pretraining", "finetuning"))
+    assert fat5.trainer.pretrain is pretraining.pretrain and fat5.trainer.finetune is finetuning.finetune
 
 
 def test_importing_the_package_pulls_in_no_trainer_or_datasets():

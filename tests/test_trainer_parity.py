@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from fat5 import FAT5Error, FAT5ForConditionalGeneration, FAT5ForSequenceClassification
-from fat5.trainer.finetune import finetune
+from fat5.trainer.finetuning import finetune
 from fat5.trainer.pretrain_config import load_pretrain_config
 from fat5.trainer.trainer import FAT5Trainer, FAT5TrainingArguments
 
@@ -432,7 +432,7 @@ def test_pretrain_config_mistakes_are_named(mistake):
 
 
 def test_missing_data_files_are_named(tiny_model, tmp_path):
-    from fat5.trainer.pretrain import pretrain
+    from fat5.trainer.pretraining import pretrain
 
     config = json.loads(json.dumps(SMALL_PRETRAIN))
     config["data"] = {**config["data"], "path": str(tmp_path / "none.jsonl")}

@@ -1,9 +1,9 @@
-"""`fat5 finetune`: finetune a FAT5 model from a YAML config (`fat5.trainer.finetune`), fully or with LoRA."""
+"""`fat5 finetune`: finetune a FAT5 model from a YAML config (`fat5.trainer.finetuning`), fully or with LoRA."""
 
 import argparse
 import sys
 
-from ..trainer import finetune as finetune_job
+from ..trainer import finetuning as finetune_job
 from ..trainer.finetune_config import config_reference, load_finetune_config
 
 

@@ -1,4 +1,4 @@
-"""`fat5 pretrain`: UL2 pretraining from a YAML config (`fat5.trainer.pretrain`), with a closing summary."""
+"""`fat5 pretrain`: UL2 pretraining from a YAML config (`fat5.trainer.pretraining`), with a closing summary."""
 
 import argparse
 import sys
@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from ..output_folder import disk_full_error, is_disk_full
-from ..trainer import pretrain as pretrain_job
+from ..trainer import pretraining as pretrain_job
 from ..trainer.pretrain_config import config_reference
 
 

@@ -1,9 +1,9 @@
 """FAT5's training wing: the `fat5 pretrain` and `fat5 finetune` jobs, FAT5Trainer, and the UL2 pretraining data
 (denoisers, packing, the collator, a T5-style tokenizer and text corpora).
 
-The jobs are the modules ``fat5.trainer.pretrain`` and ``fat5.trainer.finetune`` (each with its ``pretrain()`` /
-``finetune()`` function: a package attribute of the module's own name would be replaced by the module the moment
-it is imported); their configs are ``PretrainConfig`` and ``FinetuneConfig``.
+The jobs are the functions ``pretrain`` and ``finetune`` (in the modules ``pretraining`` and ``finetuning``, named
+apart so that importing a module never replaces the package's function of that name); their configs are
+``PretrainConfig`` and ``FinetuneConfig``.
 
 Names are imported lazily, from the one table below, so ``import fat5.trainer`` stays cheap and pulls in the Trainer,
 `datasets` or `tokenizers` only when a name that needs them is used.
@@ -13,9 +13,9 @@ from importlib import import_module
 
 _EXPORTS = {
     "trainer": ("FAT5Trainer", "FAT5TrainingArguments"),
-    "pretrain": ("prepare_pretraining", "PretrainingJob"),
+    "pretraining": ("pretrain", "prepare_pretraining", "PretrainingJob"),
     "pretrain_config": ("PretrainConfig", "load_pretrain_config"),
-    "finetune": ("prepare_finetune", "run_finetune"),
+    "finetuning": ("finetune", "prepare_finetune", "run_finetune"),
     "finetune_config": ("FinetuneConfig", "load_finetune_config"),
     "collator": ("UL2DataCollator",),
     "tokenizer": ("train_tokenizer", "load_tokenizer", "sentinel_token_ids", "prefix_token_ids",
