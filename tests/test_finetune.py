@@ -751,5 +751,7 @@ def test_examples_run_as_written(script, arguments, tmp_path, monkeypatch, capsy
     monkeypatch.chdir(tmp_path)
     argv = [script, "--tiny", "--max-steps", "3", "--output-dir", str(tmp_path / "run"), *arguments]
     monkeypatch.setattr(sys, "argv", argv)
+    # as `python examples/SCRIPT` does: the script's folder on the path, for the examples' shared example_setup.py
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
     runpy.run_path(str(REPO / "examples" / script), run_name="__main__")
     assert "saved in" in capsys.readouterr().out or (tmp_path / "run" / "bundle").is_dir()
