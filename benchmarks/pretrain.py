@@ -414,6 +414,9 @@ def merge_files(paths: list[str], out: str, smoothing: int) -> None:
                 TARGET_MFU.get(first["shape"], TARGET_MFU["base"])))
     shared = ("batch_shapes", "vocab_size", "tokens_per_batch")
     results = {**{key: first["results"][key] for key in shared}, "runs": runs, **comparisons(runs, smoothing)}
+    restarts = [document["results"]["restart"] for document in documents if "restart" in document["results"]]
+    if restarts:  # FAT5's restart cost, measured beside its run
+        results["restart"] = restarts[0]
     document = write_result(out, results, shape=first["shape"], model=first["model"], data=first["data"],
                             settings={"merged": {path: document["environment"] for path, document
                                                  in zip(paths, documents)}, "smoothing": smoothing})
