@@ -46,6 +46,8 @@ from pathlib import Path
 
 import yaml
 
+from fat5.trainer.pretrain_config import choose_path, load_pretrain_config
+
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = REPO / "examples" / "accelerate"
 sys.path.insert(0, str(REPO / "benchmarks"))  # common.py
@@ -71,6 +73,9 @@ def job_config(args, tokenizer_dir: Path | None) -> dict:
     tokenizer (None: the job trains one)."""
     config = {} if args.tiny else yaml.safe_load(Path(args.config).read_text())
     config = {section: dict(value) if isinstance(value, dict) else value for section, value in config.items()}
+    # the path the config's own length takes: compile.mode auto runs a job as short as a benchmark's eagerly
+    path = choose_path(load_pretrain_config(config), cuda=not args.tiny)
+    config.setdefault("compile", {})["mode"] = path.compile_mode
     training = config.setdefault("training", {})
     training.update(max_steps=args.steps, logging_steps=args.logging_steps, eval_strategy="no", save_strategy="no",
                     report_to="none", disable_tqdm=True)

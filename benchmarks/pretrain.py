@@ -168,11 +168,20 @@ def job_overrides(args, seed: int, initialization: str | None, steps: int, token
         data["path"] = args.corpus_file
     training = {"max_steps": steps, "logging_steps": steps, "save_strategy": "no", "eval_strategy": "no",
                 "report_to": "none", "disable_tqdm": True}
-    # compile.cache_dir null: the job keeps the compile caches this invocation set (use_fresh_compile_caches)
-    overrides = {"seed": seed, "model": model, "data": data, "training": training, "compile": {"cache_dir": None}}
+    # compile.cache_dir null: the job keeps the compile caches this invocation set (use_fresh_compile_caches); the
+    # path the config's own length takes (compile.mode auto runs a job as short as a benchmark's eagerly)
+    compile_section = {"cache_dir": None, "mode": job_compile_mode(args)}
+    overrides = {"seed": seed, "model": model, "data": data, "training": training, "compile": compile_section}
     if tokenizer is not None:
         overrides["tokenizer"] = {"path": str(tokenizer)}
     return overrides
+
+
+def job_compile_mode(args) -> str:
+    """The compile mode the job of ``--config`` takes on this benchmark's device, at the config's own length."""
+    from fat5.trainer.pretrain_config import choose_path, load_pretrain_config
+
+    return choose_path(load_pretrain_config(args.config), cuda=args.device == "cuda").compile_mode
 
 
 def prepare_job(args, seed: int, initialization: str | None, output_dir, steps: int | None = None, tokenizer=None,

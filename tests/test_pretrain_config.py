@@ -13,7 +13,7 @@ from helpers import SMALL_PRETRAIN
 
 from fat5.errors import FAT5Error
 from fat5.trainer import pretraining as pretrain_module
-from fat5.trainer.pretrain_config import choose_path, load_pretrain_config
+from fat5.trainer.pretrain_config import COMPILED_STEP_MIN_STEPS, choose_path, load_pretrain_config
 from fat5.trainer.pretraining import pretrain
 
 CONFIGS = Path(pretrain_module.__file__).parent / "configs"
@@ -26,8 +26,8 @@ def small(**sections) -> dict:
     return config
 
 
-def test_auto_runs_eager_on_a_cpu_and_compiled_in_cuda_graphs_on_a_gpu():
-    config = load_pretrain_config(SMALL_PRETRAIN)
+def test_auto_runs_eager_on_a_cpu_and_compiled_in_cuda_graphs_on_a_gpu_for_a_long_job():
+    config = load_pretrain_config(small(training={"max_steps": COMPILED_STEP_MIN_STEPS}))
     on_cpu, on_gpu = choose_path(config, cuda=False), choose_path(config, cuda=True)
     assert (on_cpu.compile_mode, on_cpu.shape_buckets, on_cpu.training_arguments()) == ("none", None, {})
     assert on_cpu.describe() == ("pretraining path: eager step, batch shapes follow each batch "
@@ -38,6 +38,13 @@ def test_auto_runs_eager_on_a_cpu_and_compiled_in_cuda_graphs_on_a_gpu():
     # shapes that follow each batch would capture a graph at nearly every step: auto keeps such a job eager
     unbucketed = load_pretrain_config(small(data={"shape_buckets": None}))
     assert choose_path(unbucketed, cuda=True).compile_mode == "none"
+    # a shorter job would spend longer compiling than the compiled step saves: eager, in few shapes (each new shape
+    # compiles FAT5's Triton kernels)
+    short = choose_path(load_pretrain_config(SMALL_PRETRAIN), cuda=True)
+    assert (short.compile_mode, short.shape_buckets) == ("none", 5)
+    assert short.describe() == (
+        "pretraining path: eager step, 5 batch shapes (compile.mode auto: CUDA device, but 8 steps would not repay "
+        f"the compilation; auto compiles from {COMPILED_STEP_MIN_STEPS})")
     regional = load_pretrain_config(small(compile={"mode": "regional"}, data={"shape_buckets": 3}))
     assert choose_path(regional, cuda=False).training_arguments() == {"torch_compile_regional": True}
     assert choose_path(regional, cuda=False).shape_buckets == 3

@@ -6,8 +6,9 @@ corpus, on a CPU in a couple of minutes. A config (YAML or a mapping) updates th
 ``training`` sections (FAT5Config and FAT5TrainingArguments fields) included. An unknown key anywhere is an error.
 
 The path (`choose_path`): ``compile.mode: auto`` compiles the step into CUDA graphs on a CUDA device when batches come
-in fixed shapes, and runs it eagerly elsewhere; ``data.shape_buckets: auto`` gives a compiled step
-`AUTO_SHAPE_BUCKETS` batch shapes and lets an eager one's shapes follow each batch.
+in fixed shapes and the job is long enough to repay the compilation (`COMPILED_STEP_MIN_STEPS`), and runs it eagerly
+elsewhere; ``data.shape_buckets: auto`` gives a job on a CUDA device `AUTO_SHAPE_BUCKETS` batch shapes (each new
+shape compiles kernels) and lets a CPU job's shapes follow each batch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ DEFAULT_CACHE_DIR = "~/.cache/fat5/compile"
 # decoder widths of a compiled step's batches when data.shape_buckets is auto (benchmarks/README.md: 5 widths leave
 # the base shape 5.0% padding on the Shakespeare corpus)
 AUTO_SHAPE_BUCKETS = 5
+# the fewest training steps for which compile.mode auto compiles: the base shape's first three batch shapes compile in
+# about 255 s cold and 27 s warm, and its compiled step (25.7% MFU) saves about 38 ms of the eager one's 122 ms (17.7%),
+# so compiling pays back after about 700 steps warm and 6,700 cold (benchmarks/README.md); the built-in 300-step job
+# runs eagerly
+COMPILED_STEP_MIN_STEPS = 2000
 # the embeddings and the output layer get rows for a multiple of this many ids (see pretrain.build_model)
 VOCAB_MULTIPLE = 128
 # the keys of the training section that the compile section sets
@@ -181,7 +187,8 @@ class CompileSection:
     """The ``compile`` section: how the training step runs, and where compiled code is kept."""
 
     mode: str = field(default="auto", metadata=about(
-        "auto (cuda-graphs on a CUDA device with fixed batch shapes, else none), cuda-graphs (torch.compile "
+        f"auto (cuda-graphs on a CUDA device with fixed batch shapes for a job of at least {COMPILED_STEP_MIN_STEPS} "
+        "steps, else none), cuda-graphs (torch.compile "
         "reduce-overhead: one CUDA graph per batch shape), default (torch.compile's default mode), regional (each "
         "encoder and decoder block compiled on its own), none (eager)", one_of(COMPILE_MODES)))
     cache_dir: str | None = field(default=DEFAULT_CACHE_DIR, metadata=about(
@@ -301,16 +308,25 @@ def choose_path(config: PretrainConfig, cuda: bool) -> PretrainingPath:
         raise FAT5Error("compile.mode cuda-graphs needs a CUDA device, and this job has none (training on the CPU): "
                         "use compile.mode auto or none")
     if mode == "auto":
-        fixed_shapes = buckets is not None
-        mode = "cuda-graphs" if cuda and fixed_shapes else "none"
-        reason = ("compile.mode auto: CUDA device" if cuda and fixed_shapes
-                  else "compile.mode auto: CUDA device, but data.shape_buckets null" if cuda
-                  else "compile.mode auto: no CUDA device")
+        mode, reason = _auto_mode(config, cuda)
     else:
         reason = f"compile.mode {mode}"
     if buckets == "auto":
-        buckets = AUTO_SHAPE_BUCKETS if mode != "none" else None
+        buckets = AUTO_SHAPE_BUCKETS if mode != "none" or cuda else None
     return PretrainingPath(mode, buckets, reason)
+
+
+def _auto_mode(config: PretrainConfig, cuda: bool) -> tuple[str, str]:
+    """What compile.mode auto resolves to, and why."""
+    steps = config.training.get("max_steps", -1)
+    if not cuda:
+        return "none", "compile.mode auto: no CUDA device"
+    if config.data.shape_buckets is None:
+        return "none", "compile.mode auto: CUDA device, but data.shape_buckets null"
+    if 0 < steps < COMPILED_STEP_MIN_STEPS:
+        return "none", (f"compile.mode auto: CUDA device, but {steps} steps would not repay the compilation; "
+                        f"auto compiles from {COMPILED_STEP_MIN_STEPS}")
+    return "cuda-graphs", "compile.mode auto: CUDA device"
 
 
 def check_cache_dir(cache_dir: str | None) -> Path | None:
