@@ -13,8 +13,6 @@ import ast
 import re
 from pathlib import Path
 
-from .pipeline_fat5 import Text2TextGenerationPipeline
-
 PACKAGE = "fat5"
 ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",
               "graphed_decoding.py", "remote_code.py", "pipeline_fat5.py")
@@ -38,6 +36,9 @@ SEQ2SEQ_ARCHITECTURES = ("FAT5ForConditionalGeneration", "FAT5Model")
 # off the decoder's output: a folder's `custom_pipelines` give both names the seq2seq pipeline (a custom task wins
 # over transformers' own and over its list of removed ones)
 PIPELINE_TASKS = ("text2text-generation", "text-generation")
+# module.class of that pipeline in the folder, named rather than imported: importing transformers' pipelines costs
+# seconds that loading a model or `fat5 pretrain` should not pay
+PIPELINE_CLASS = "pipeline_fat5.Text2TextGenerationPipeline"
 
 
 class RemoteCodeError(ValueError):
@@ -54,8 +55,8 @@ def auto_map_for(architecture: str | None) -> dict[str, str]:
 def custom_pipelines() -> dict[str, dict]:
     """config.json's ``custom_pipelines``: ``pipeline(task, model=folder, trust_remote_code=True)`` builds the
     seq2seq pipeline shipped in pipeline_fat5.py for each of ``PIPELINE_TASKS``."""
-    impl = f"{Text2TextGenerationPipeline.__module__.rpartition('.')[2]}.{Text2TextGenerationPipeline.__name__}"
-    return {task: {"impl": impl, "pt": ["AutoModelForSeq2SeqLM"], "tf": [], "type": "text"} for task in PIPELINE_TASKS}
+    pipeline = {"impl": PIPELINE_CLASS, "pt": ["AutoModelForSeq2SeqLM"], "tf": [], "type": "text"}
+    return {task: dict(pipeline) for task in PIPELINE_TASKS}
 
 
 def write_remote_code(folder, config) -> None:

@@ -1,11 +1,17 @@
 """The package's imports form layers without circles: every module under fat5/ (and the `fat5` console entry beside
 it) is read with `ast`, each import it makes, at the top or inside a function, resolved to the module it loads. A
-string that is a dotted module's full name counts as an import too: `importlib.import_module` loads it by name."""
+string that is a dotted module's full name counts as an import too: `importlib.import_module` loads it by name. And
+`import fat5` stays cheap."""
 
 import ast
+import subprocess
+import sys
+from importlib import import_module
 from pathlib import Path
 
 from helpers import REPO
+
+from fat5.remote_code import PIPELINE_CLASS
 
 PACKAGE = REPO / "fat5"
 CONSOLE_ENTRY = REPO / "fat5_command.py"
@@ -145,3 +151,13 @@ def test_the_checks_find_a_circle_a_self_import_and_an_upward_import():
     assert upward_imports({"fat5.kernels.attention": {"fat5.errors", "fat5.modeling_fat5"}, "fat5.errors": set(),
                            "fat5.modeling_fat5": {"fat5"}, "fat5": set()}) == [
         "fat5.kernels.attention (layer 0) imports fat5.modeling_fat5 (layer 1)"]
+
+
+def test_importing_fat5_leaves_transformers_pipelines_unloaded():
+    # they cost seconds (image and audio processors) to every `import fat5`, `fat5 pretrain` and remote-code load;
+    # a saved folder names its pipeline's class instead (remote_code.PIPELINE_CLASS)
+    code = "import sys, fat5; print(sorted(name for name in sys.modules if name.startswith('transformers.pipelines')))"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert completed.stdout.strip() == "[]"
+    module_name, _, class_name = PIPELINE_CLASS.partition(".")
+    assert getattr(import_module(f"fat5.{module_name}"), class_name).__module__ == f"fat5.{module_name}"
