@@ -3,7 +3,6 @@
 import argparse
 import sys
 
-from ..trainer import finetuning as finetune_job
 from ..trainer.finetune_config import config_reference, load_finetune_config
 
 
@@ -33,7 +32,9 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
+    # here, not at the top: `fat5 finetune --help` imports this module without torch, which these import
     from ..output_folder import resume_hint
+    from ..trainer import finetuning as finetune_job
 
     try:
         result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,

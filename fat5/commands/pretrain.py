@@ -5,7 +5,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..output_folder import disk_full_error, is_disk_full
 from ..trainer import pretraining as pretrain_job
 from ..trainer.pretrain_config import config_reference
 
@@ -28,7 +27,8 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    from ..output_folder import resume_hint
+    # here, not at the top: `fat5 pretrain --help` imports this module without torch, which output_folder imports
+    from ..output_folder import disk_full_error, is_disk_full, resume_hint
 
     start = time.perf_counter()
     try:

@@ -1,18 +1,17 @@
-"""`fat5 pretrain`: UL2 pretraining of a FAT5 model, from a YAML config, in one command.
+"""fat5 pretrain: UL2 pretraining of a FAT5 model, from a YAML config, in one command.
 
-The steps, in order: read and check the config (`fat5.trainer.pretrain_config.PretrainConfig`: the built-in default
-updated by the config's keys; `fat5 pretrain --help` lists them), choose the path (a step compiled into CUDA graphs
-on batches of a few fixed shapes on a CUDA device, else an eager one; the first printed line says which and why), get
-a tokenizer (train one on the corpus when none is given), load and tokenize the corpus, build the packed UL2
-batches, train with :class:`FAT5Trainer`, evaluate, and save the model and tokenizer to the output folder itself,
-where ``AutoModelForSeq2SeqLM.from_pretrained(folder)`` (after ``import fat5``) and ``AutoTokenizer`` load them.
+The steps, in order: read and check the config (fat5.trainer.pretrain_config.PretrainConfig: the built-in default
+updated by the config's keys, listed below), choose the path (a step compiled into CUDA graphs on batches of a few
+fixed shapes on a CUDA device, else an eager one; the first printed line says which and why), get a tokenizer (train
+one on the corpus when none is given), load and tokenize the corpus, build the packed UL2 batches, train with
+FAT5Trainer, evaluate, and save the model and tokenizer to the output folder itself, where
+AutoModelForSeq2SeqLM.from_pretrained(folder) (after import fat5) and AutoTokenizer load them.
 
-The output folder also holds the checkpoints (``checkpoint-N``, each written whole or not at all), the tokenizer
-trained for the run (``tokenizer/``), the resolved config (``pretrain_config.yaml``: every default filled in, with
-the chosen path and batch shapes) and ``pretrain_summary.json``. A folder that already holds a model or checkpoints
-is refused: ``--resume`` continues from its newest complete checkpoint, with the config the run saved (a config
-given then must not differ from it), ``--overwrite`` replaces its content (never a folder that holds the input or
-the current directory).
+The output folder also holds the checkpoints (checkpoint-N, each written whole or not at all), the tokenizer trained
+for the run (tokenizer/), the resolved config (pretrain_config.yaml: every default filled in, with the chosen path
+and batch shapes) and pretrain_summary.json. A folder that already holds a model or checkpoints is refused: --resume
+continues from its newest complete checkpoint, with the config the run saved (a config given then must not differ
+from it), --overwrite replaces its content (never a folder that holds the input or the current directory).
 """
 
 import json
@@ -25,7 +24,6 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-from ..output_folder import is_disk_full, move_into, prepare_run_folder
 from .config_schema import read_yaml
 from .pretrain_config import (
     VOCAB_MULTIPLE,
@@ -271,6 +269,8 @@ def _text_column(data: DataSection) -> str:
 def _prepare_output_folder(settings: PretrainConfig, config, output_dir, overwrite: bool, resume: bool,
                            state) -> Path:
     """Refuse, resume or empty the output folder as asked; never touching what the job reads."""
+    from ..output_folder import prepare_run_folder
+
     inputs = [settings.tokenizer.path, settings.data.path]
     if isinstance(settings.ul2, (str, os.PathLike)):
         inputs.append(settings.ul2)
@@ -444,7 +444,7 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..output_folder import final_model_disk_full_error
+    from ..output_folder import final_model_disk_full_error, is_disk_full, move_into
 
     main_process = trainer.is_world_process_zero()
     temporary = final / ".final-model.tmp"
