@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY_PRETRAIN
 
 from fat5.cli import main
 
@@ -32,3 +33,46 @@ def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     start = time.perf_counter()
     subprocess.run([str(FAT5_SCRIPT), command, "--help"], capture_output=True, timeout=120, check=True)
     assert time.perf_counter() - start < 3.0  # about 0.3 s; a loaded machine gets room
+
+
+# the job at its smallest: a tiny model, its tokenizer trained on the first 40 scenes
+FAST = {**TINY_PRETRAIN, "tokenizer": {**TINY_PRETRAIN["tokenizer"], "train_on_documents": 40}}
+
+
+def test_a_folder_of_other_files_is_refused_and_overwrite_removes_only_what_a_run_wrote(tmp_path, capfd):
+    """`fat5 pretrain --output-dir FOLDER` wrote into a folder of unrelated files without a word; --overwrite then
+    emptied it, the user's files with the run's."""
+    from fat5.output_folder import is_run_file
+    from fat5.trainer.pretraining import pretrain
+
+    folder = tmp_path / "papers"
+    (folder / "drafts").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "README.md").write_text("mine too")
+    assert main(["pretrain", "--output-dir", str(folder)]) == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"fat5 pretrain: error: {folder} holds files that no run wrote (README.md, drafts, notes.txt): choose a new "
+        "or empty output folder, or pass --overwrite to write beside them (it removes only what a run writes)")
+    assert sorted(path.name for path in folder.iterdir()) == ["README.md", "drafts", "notes.txt"]
+
+    pretrain(FAST, folder, overwrite=True, overrides={"training": {"max_steps": 2, "save_steps": 1}})
+    written = sorted(path.name for path in folder.iterdir() if path.name not in ("README.md", "drafts", "notes.txt"))
+    assert "checkpoint-2" in written and "model.safetensors" in written and "tokenizer" in written
+    assert [name for name in written if not is_run_file(name)] == []
+    pretrain(FAST, folder, overwrite=True, overrides={"training": {"max_steps": 1, "save_steps": 1}})
+    assert "--overwrite: removing what a run wrote in" in capfd.readouterr().out
+    assert not (folder / "checkpoint-2").exists() and (folder / "checkpoint-1").is_dir()
+    assert (folder / "notes.txt").read_text() == "mine" and (folder / "README.md").read_text() == "mine too"
+    assert (folder / "drafts").is_dir()
+
+
+def test_finetune_refuses_a_folder_of_other_files_too(tmp_path):
+    from fat5.errors import FAT5Error
+    from fat5.trainer.finetuning import finetune
+
+    folder = tmp_path / "papers"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    config = {"model": "some/model", "output_dir": str(folder), "data": {"train_file": "train.jsonl"}}
+    with pytest.raises(FAT5Error, match=r"holds files that no run wrote \(notes.txt\)"):
+        finetune(config)

@@ -19,7 +19,8 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output folder")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the content of the output folder (never a folder that holds the input)")
+                        help="remove what a run wrote in the output folder (model, checkpoints, records) and start "
+                        "over; your other files there are kept (never a folder that holds the input)")
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -22,7 +22,8 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --output-dir")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the content of --output-dir (never a folder that holds the input)")
+                        help="remove what a run wrote in --output-dir (model, checkpoints, records) and start over; "
+                        "your other files there are kept (never a folder that holds the input)")
     parser.set_defaults(func=_run_pretrain)
 
 

@@ -207,8 +207,8 @@ def plot_loss_curve(log_history: list[dict], path) -> bool:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    temporary = path.with_name(path.name + ".tmp.png")
-    figure.savefig(temporary, dpi=100)
+    temporary = path.with_name(f".{path.name}.tmp")
+    figure.savefig(temporary, dpi=100, format="png")
     plt.close(figure)
     os.replace(temporary, path)
     return True

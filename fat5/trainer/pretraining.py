@@ -9,9 +9,11 @@ AutoModelForSeq2SeqLM.from_pretrained(folder) (after import fat5) and AutoTokeni
 
 The output folder also holds the checkpoints (checkpoint-N, each written whole or not at all), the tokenizer trained
 for the run (tokenizer/), the resolved config (pretrain_config.yaml: every default filled in, with the chosen path
-and batch shapes) and pretrain_summary.json. A folder that already holds a model or checkpoints is refused: --resume
-continues from its newest complete checkpoint, with the config the run saved (a config given then must not differ
-from it), --overwrite replaces its content (never a folder that holds the input or the current directory).
+and batch shapes) and pretrain_summary.json. A folder that already holds a model, checkpoints or files no run wrote is
+refused: --resume continues from its newest complete checkpoint, with the config the run saved (a config given then
+must not differ from it), --overwrite removes what a run wrote there and keeps the rest (never a folder that holds
+the input or the current directory). What a run interrupted before its first checkpoint left is removed, the job
+saying it starts over.
 """
 
 import json
@@ -167,8 +169,9 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
 
     ``config`` is a YAML path, a mapping, or None for the built-in default (with ``resume``: the run's saved
     config); ``overrides`` a mapping of sections applied over it. The final model and tokenizer are written to
-    ``output_dir`` itself; a folder that holds a model or checkpoints is refused unless ``resume`` (continue from its
-    newest complete checkpoint, or start over when there is none) or ``overwrite`` (replace its content) is set.
+    ``output_dir`` itself; a folder that holds a model, checkpoints or files no run wrote is refused unless
+    ``resume`` (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite``
+    (remove what a run wrote there, keep the rest) is set.
     """
     return prepare_pretraining(config, output_dir, resume=resume, overwrite=overwrite, overrides=overrides).run()
 
