@@ -2,13 +2,15 @@
 while the tokenizer trains, an output folder of someone else's files refused, a loss curve drawn or one command that
 draws it, one line for each interruption, and everything the job needs checked before its first step."""
 
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_PRETRAIN
+from helpers import REPO, ROWS, TINY_PRETRAIN
+from transformers import AutoTokenizer
 
 from fat5.cli import main
 
@@ -37,6 +39,97 @@ def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
 
 # the job at its smallest: a tiny model, its tokenizer trained on the first 40 scenes
 FAST = {**TINY_PRETRAIN, "tokenizer": {**TINY_PRETRAIN["tokenizer"], "train_on_documents": 40}}
+
+
+def training_children() -> list[str]:
+    """The tokenizer-training child processes of this checkout still running (Linux's /proc)."""
+    package = str(REPO / "fat5")
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            arguments = cmdline.read_bytes().split(b"\0")
+        except OSError:  # ended while listed
+            continue
+        if any(b"train_from_stdin" in argument for argument in arguments) and package.encode() in arguments:
+            found.append(cmdline.parent.name)
+    return found
+
+
+def test_ctrl_c_while_the_tokenizer_trains_stops_the_job_at_once(tmp_path):
+    """`tokenizers` trains in Rust, which Python cannot interrupt: a Ctrl-C waited for the end of its training
+    (30 s and more on the built-in corpus). Now the job ends within seconds, says so in one line, and leaves neither a
+    tokenizer nor a training process behind."""
+    output = tmp_path / "run"
+    job = subprocess.Popen([str(FAT5_SCRIPT), "pretrain", "--output-dir", str(output)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("training a 1024-token tokenizer"):
+                break
+        time.sleep(2.0)  # well into the training, which takes 30 s or more
+        assert training_children()
+        job.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        _, errors = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130 and time.perf_counter() - sent < 10.0
+    assert [line for line in errors.splitlines() if "interrupted" in line] == [
+        f"fat5 pretrain: interrupted; no checkpoint was written yet; `fat5 pretrain --output-dir {output}` starts over"]
+    assert "Traceback" not in errors
+    assert not output.exists() or not any(output.iterdir())
+    assert not training_children()
+
+
+def test_the_trained_tokenizer_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    from fat5.trainer.tokenizer import train_tokenizer
+
+    texts = [row["document"] for row in ROWS]
+    target = tmp_path / "tokenizer"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_tokenizer(texts, vocab_size=300, num_sentinels=8, save_directory=target)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    trained = train_tokenizer(texts, vocab_size=300, num_sentinels=8, save_directory=target)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tokenizer"]
+    assert trained.tokenize("To be, or not to be") == AutoTokenizer.from_pretrained(target).tokenize(
+        "To be, or not to be")
+
+
+def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_the_rerun_starts_over(
+        tmp_path, monkeypatch, capfd):
+    """One "interrupted" line (there were two), advising --overwrite only where the folder needs it."""
+    from fat5.trainer import pretraining
+
+    run = tmp_path / "run"
+    pretraining.prepare_pretraining(FAST, run)  # what a run interrupted before its first checkpoint leaves
+    assert sorted(path.name for path in run.iterdir()) == ["pretrain_config.yaml", "tokenizer"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pretraining, "pretrain", interrupted)
+    capfd.readouterr()
+    assert main(["pretrain", "--output-dir", str(run)]) == 130
+    assert [line for line in capfd.readouterr().err.splitlines() if line] == [
+        f"fat5 pretrain: interrupted; no checkpoint was written yet; `fat5 pretrain --output-dir {run}` starts over"]
+    mine = tmp_path / "mine"  # a folder of the user's, written into with --overwrite: a rerun needs it again
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["pretrain", "--output-dir", str(mine)]) == 130
+    assert f"`fat5 pretrain --output-dir {mine} --overwrite` starts over" in capfd.readouterr().err
+    monkeypatch.undo()
+
+    pretraining.prepare_pretraining(FAST, run)
+    assert (f"{run} holds what an earlier run wrote before its first checkpoint (pretrain_config.yaml, tokenizer): "
+            "starting over") in capfd.readouterr().out
 
 
 def test_a_folder_of_other_files_is_refused_and_overwrite_removes_only_what_a_run_wrote(tmp_path, capfd):

@@ -46,8 +46,10 @@ def _run_finetune(args: argparse.Namespace) -> int:
         output_option = ["--output-dir", args.output_dir] if args.output_dir else []
         command = " ".join(["fat5 finetune", args.config, *output_option,
                             *(f"--set {override}" for override in args.overrides)])
-        print(f"fat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
-        raise
+        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
+        # starts a line of its own, a progress bar may have been drawing on the last one
+        print(f"\nfat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
+        return 130
     for name in ("model_dir", "adapter_dir", "merged_dir", "bundle_dir"):
         if result[name]:
             print(f"{name.removesuffix('_dir')}: {result[name]}")

@@ -36,8 +36,10 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
         command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
-        print(f"fat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
-        raise
+        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
+        # starts a line of its own, a progress bar may have been drawing on the last one
+        print(f"\nfat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
+        return 130
     except OSError as error:
         # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
         if not is_disk_full(error, args.output_dir):
