@@ -2,6 +2,9 @@
 while the tokenizer trains, an output folder of someone else's files refused, a loss curve drawn or one command that
 draws it, one line for each interruption, and everything the job needs checked before its first step."""
 
+import json
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -169,3 +172,33 @@ def test_finetune_refuses_a_folder_of_other_files_too(tmp_path):
     config = {"model": "some/model", "output_dir": str(folder), "data": {"train_file": "train.jsonl"}}
     with pytest.raises(FAT5Error, match=r"holds files that no run wrote \(notes.txt\)"):
         finetune(config)
+
+
+def test_without_matplotlib_the_summary_gives_the_command_that_draws_the_curve(tmp_path, monkeypatch, capsys):
+    """matplotlib is in the dev extra only: a plain install never got loss_curve.png, and no way to draw it."""
+    from fat5.commands.pretrain import print_closing_summary
+    from fat5.trainer.metrics import main as draw_loss_curve
+
+    history = [{"loss": 6.0 - step / 10, "step": step, "tokens_per_second": 100.0} for step in range(1, 9)]
+    summary = {"output": str(tmp_path), "steps": 8, "resumed_from_step": 0, "steps_this_run": 8,
+               "first_logged_loss": 5.9, "last_logged_loss": 5.2, "train_loss": 5.5, "eval_loss": None,
+               "log_history": history}
+    summary_file = tmp_path / "pretrain_summary.json"
+    summary_file.write_text(json.dumps(summary))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    print_closing_summary(summary, tmp_path, elapsed=1.0)
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "loss curve" in line]
+    install, draw = re.findall(r"`([^`]+)`", line)
+    assert shlex.split(install) == [sys.executable, "-m", "pip", "install", "matplotlib"]
+    assert shlex.split(draw) == [sys.executable, "-m", "fat5.trainer.metrics", str(summary_file)]
+    # run without matplotlib, the command itself says what is missing, in one line
+    assert draw_loss_curve([str(summary_file)]) == 2
+    assert capsys.readouterr().err.strip() == f"matplotlib is not installed: {install}"
+    assert list(tmp_path.iterdir()) == [summary_file]
+    monkeypatch.undo()
+
+    completed = subprocess.run(shlex.split(draw), capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == f"loss curve: {tmp_path / 'loss_curve.png'}"
+    assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["loss_curve.png", "pretrain_summary.json"]

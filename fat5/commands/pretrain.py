@@ -1,6 +1,7 @@
 """`fat5 pretrain`: UL2 pretraining from a YAML config (`fat5.trainer.pretraining`), with a closing summary."""
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
 def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> None:
     """What the job did, how fast, and where its results are; draws the loss curve beside the summary file."""
-    from ..trainer.metrics import plot_loss_curve
+    from ..trainer.metrics import loss_curve_command, plot_loss_curve
 
     first, last = summary["first_logged_loss"], summary["last_logged_loss"]
     trained = f"trained {summary['steps']} steps"
@@ -78,4 +79,7 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
     if plot_loss_curve(summary["log_history"], curve):
         print(f"loss curve: {curve}")
     else:
-        print("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")
+        # matplotlib is in the dev extra only: a plain install gets the one command that draws the curve later
+        python = shlex.quote(sys.executable)
+        print(f"no loss curve drawn: matplotlib is not installed; after `{python} -m pip install matplotlib`, "
+              f"`{loss_curve_command(output_dir / 'pretrain_summary.json')}` draws it")
