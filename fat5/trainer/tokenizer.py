@@ -87,10 +87,10 @@ def train_tokenizer(
 # the child process that trains: it imports fat5.trainer.tokenizer without running fat5/__init__.py (torch and
 # transformers, seconds), from the package folder its parent names
 _TRAINING_CHILD = """
-import importlib.util, sys
+import importlib.util, os, sys
 package = sys.argv[1]
 sys.modules["fat5"] = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-    "fat5", package + "/__init__.py", submodule_search_locations=[package]))
+    "fat5", os.path.join(package, "__init__.py"), submodule_search_locations=[package]))
 from fat5.trainer.tokenizer import train_from_stdin
 train_from_stdin()
 """
