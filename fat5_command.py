@@ -2,14 +2,19 @@
 
 `fat5`, `fat5 --help` and `fat5 --version` are answered from the command table below without importing the `fat5`
 package: `import fat5` registers FAT5 with transformers' Auto classes, which imports torch and transformers (seconds),
-and that must stay so for ``import fat5`` to do what it says. Any other command imports the `fat5.commands` modules
-the table names, which add each subcommand's options and handler; a user mistake (FAT5Error) is printed on stderr
-with exit status 2 and no traceback. `python -m fat5.cli` runs this same command.
+and that must stay so for ``import fat5`` to do what it says. `fat5 COMMAND --help` for a command whose module the
+table marks light (it imports neither torch nor transformers to add its options) imports that module with the
+package's submodules only, fat5/__init__.py left unrun. Any other command imports the `fat5.commands` modules the
+table names, which add each subcommand's options and handler; a user mistake (FAT5Error) is printed on stderr with
+exit status 2 and no traceback. `python -m fat5.cli` runs this same command.
 """
 
 import argparse
+import contextlib
 import importlib
+import importlib.util
 import sys
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 DESCRIPTION = "FAT5 (Flash Attention T5): convert T5-family checkpoints, pretrain, finetune and publish."
@@ -19,6 +24,8 @@ class Command(NamedTuple):
     help: str
     module: str  # the `fat5.commands` module whose function `configure` adds the command's options and handler
     configure: str
+    # the module, and its configure function, import neither torch nor transformers: `--help` is answered without them
+    light: bool = False
 
 
 COMMANDS = {
@@ -30,9 +37,9 @@ COMMANDS = {
                       "fat5.commands.hub", "configure_bundle"),
     "push": Command("upload a bundled FAT5 folder to the Hub (validated first)", "fat5.commands.hub", "configure_push"),
     "pretrain": Command("UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
-                        "fat5.commands.pretrain", "configure_pretrain"),
+                        "fat5.commands.pretrain", "configure_pretrain", light=True),
     "finetune": Command("finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",
-                        "fat5.commands.finetune", "configure_finetune"),
+                        "fat5.commands.finetune", "configure_finetune", light=True),
     "bench": Command("run one of the benchmarks (model, attention, cross-entropy, rms-norm, distributed, ...)",
                      "fat5.commands.bench", "configure_bench"),
 }
@@ -52,29 +59,55 @@ def version() -> str:
 
 def top_level_parser() -> argparse.ArgumentParser:
     """`fat5` with its subcommands' names and help lines only: what `--help` and `--version` need."""
-    return _parser(with_options=False)
+    return _parser(options_of=())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """`fat5` with every subcommand's options and handler (`func(args) -> int`)."""
-    return _parser(with_options=True)
+    return _parser(options_of=COMMANDS)
 
 
-def _parser(with_options: bool) -> argparse.ArgumentParser:
+def _parser(options_of: Iterable[str]) -> argparse.ArgumentParser:
+    """`fat5` with every subcommand's name and help line, and the options and handler of those in ``options_of``."""
     parser = argparse.ArgumentParser(prog="fat5", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fat5 {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=command.help)
-        if with_options:
+        if name in options_of:
             getattr(importlib.import_module(command.module), command.configure)(subparser)
     return parser
+
+
+def _asks_a_light_commands_help(arguments: list[str]) -> bool:
+    command = COMMANDS.get(arguments[0])
+    return command is not None and command.light and any(argument in ("-h", "--help") for argument in arguments[1:])
+
+
+@contextlib.contextmanager
+def _submodules_without_the_facade() -> Iterator[None]:
+    """Within the block, `fat5.X` imports run X and the packages between, never fat5/__init__.py (torch and
+    transformers, seconds); afterwards every `fat5` module it imported is forgotten, so that a later ``import fat5``
+    runs the real one."""
+    if "fat5" in sys.modules:  # imported already (`python -m fat5.cli`, a test): nothing to spare
+        yield
+        return
+    sys.modules["fat5"] = importlib.util.module_from_spec(importlib.util.find_spec("fat5"))
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if name == "fat5" or name.startswith("fat5.")]:
+            del sys.modules[name]
 
 
 def main(argv=None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
     if not arguments or arguments[0] in ("-h", "--help", "--version"):
         top_level_parser().parse_args(arguments)  # prints the help, the version or the usage error, and exits
+    if _asks_a_light_commands_help(arguments):
+        with _submodules_without_the_facade():
+            # prints the help and exits; `-h` as a positional after `--` is no help request: the full parse below
+            _parser(options_of=[arguments[0]]).parse_args(arguments)
     args = build_parser().parse_args(arguments)
     from fat5.errors import FAT5Error
 

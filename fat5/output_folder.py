@@ -1,13 +1,15 @@
-"""Where FAT5's commands write: one rule for ``--overwrite``, folders that appear whole or not at all, a full disk
+"""Where FAT5's commands write: the rules for ``--overwrite``, folders that appear whole or not at all, a full disk
 said in one line, and the training jobs' checkpoints: which are complete, which one ``--resume`` continues from.
 
-The rule, for `fat5 convert`, `export-hf`, `bundle`, `pretrain` and `finetune` alike: ``--overwrite`` replaces
-exactly the output folder's own content, never a folder that holds the input (or the current directory), never
-anything above it.
+The rule, for `fat5 convert`, `export-hf`, `bundle`, `pretrain` and `finetune` alike: ``--overwrite`` touches nothing
+outside the output folder, never a folder that holds the input (or the current directory). `convert`, `export-hf`
+and `bundle` replace the folder whole. A training job's folder may hold the user's files beside the run's: without
+``--overwrite`` such a folder is refused, and with it only what a run writes there (`is_run_file`) is removed.
 """
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -65,18 +67,6 @@ def check_output_folder(out, *, overwrite: bool = False, inputs: Iterable = (), 
 
 def _sibling(out: Path, kind: str) -> Path:
     return out.parent / f".{out.name}.{kind}-{uuid.uuid4().hex[:8]}"
-
-
-def clear_folder(out) -> None:
-    """Empty ``out`` (checked with `check_output_folder` first): its content goes, the folder stays."""
-    out = Path(out)
-    if not out.is_dir():
-        out.mkdir(parents=True)
-        return
-    previous = _sibling(out, "old")
-    out.rename(previous)
-    out.mkdir()
-    shutil.rmtree(previous, ignore_errors=True)
 
 
 def is_disk_full(error: BaseException, folder) -> bool:
@@ -146,6 +136,79 @@ def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = (), ins
 # what makes a folder hold a model (or a PEFT adapter) that a training job would overwrite
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "adapter_config.json")
+# what a training job (`fat5 pretrain`, `fat5 finetune`) writes at the top of its output folder, besides
+# checkpoint-N, the shards of a large model and the remote code a saved model carries (`remote_code_file_names`):
+# the final model and its tokenizer, the jobs' records and their temporary folders. `--overwrite` removes these only.
+RUN_FILES = frozenset({
+    *MODEL_FILES, "adapter_model.safetensors", "generation_config.json", "training_args.bin",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "spiece.model",
+    "chat_template.jinja", CHECKPOINT_STAGING, ".final-model.tmp", "runs",
+    # fat5 pretrain
+    "tokenizer", "pretrain_config.yaml", "pretrain_summary.json", "loss_curve.png", "compile_cache_artifacts.bin",
+    # fat5 finetune
+    "adapter", "bundle", "metrics.json", "finetune_config.yaml", ".merged-model.tmp",
+})
+_SHARD = re.compile(r"^(model|adapter_model)-\d+-of-\d+\.safetensors$")
+# a file or folder being written (`.NAME.tmp`) or replaced (`_sibling`'s `.NAME.tmp-HEX`, `.NAME.old-HEX`)
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|tmp-[0-9a-f]{8}|old-[0-9a-f]{8})$")
+# what file managers leave in any folder they show: neither the user's work nor a run's
+_FILE_MANAGER_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+
+
+@functools.cache
+def _remote_code_names() -> frozenset[str]:
+    from .remote_code import remote_code_file_names
+
+    return frozenset(remote_code_file_names())
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a training job writes an entry of this name at the top of its output folder."""
+    if name in RUN_FILES or name in _remote_code_names() or CHECKPOINT_NAME.match(name) or _SHARD.match(name):
+        return True
+    temporary = _TEMPORARY.match(name)
+    return bool(temporary) and is_run_file(temporary["name"])
+
+
+def _other_files(out: Path) -> list[str]:
+    """The entries of ``out`` that no training job writes: the user's, never to be removed."""
+    return sorted(path.name for path in out.iterdir() if not is_run_file(path.name)
+                  and path.name not in _FILE_MANAGER_FILES)
+
+
+def run_folder_refusal(out: Path) -> str | None:
+    """Why a training job started afresh (neither ``--resume`` nor ``--overwrite``) refuses the folder ``out``, as
+    one line naming the fix; None when it may start there."""
+    if not out.is_dir():
+        return None
+    if any(path.is_dir() for path in out.glob("checkpoint-*")):
+        newest, _ = newest_complete_checkpoint(out)
+        continues = f"continue from {newest.name}" if newest else "continue (no complete checkpoint: it starts over)"
+        return (f"{out} holds the checkpoints of an earlier run: pass --resume to {continues}, or --overwrite to "
+                "start over")
+    if any((out / name).is_file() for name in MODEL_FILES):
+        return f"{out} already holds a model: pass --overwrite to replace it, or choose another output folder"
+    others = _other_files(out)
+    if others:
+        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        return (f"{out} holds files that no run wrote ({named}): choose a new or empty output folder, or pass "
+                "--overwrite to write beside them (it removes only what a run writes)")
+    return None
+
+
+def remove_run_files(out: Path) -> list[str]:
+    """Remove what a training job wrote in ``out`` (`is_run_file`), nothing else; returns the names removed. They
+    are renamed into a folder beside ``out`` first, which is then deleted: a kill meanwhile leaves no half-removed
+    checkpoint inside ``out``."""
+    names = sorted(path.name for path in out.iterdir() if is_run_file(path.name))
+    if not names:
+        return names
+    removed = _sibling(out, "old")
+    removed.mkdir()
+    for name in names:
+        os.replace(out / name, removed / name)
+    shutil.rmtree(removed, ignore_errors=True)
+    return names
 
 
 def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, inputs: Iterable = (),
@@ -153,26 +216,30 @@ def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, in
     """Check the output folder of a training job (`fat5 pretrain`, `fat5 finetune`) and return it absolute.
 
     The job writes its final model at the folder's top and its checkpoints in ``checkpoint-*`` beside it. Without
-    ``overwrite`` or ``resume``, a folder that holds checkpoints or a model is refused, naming the flag that
-    continues or replaces it; with ``overwrite`` its content is removed (by the main process) before anything runs.
+    ``overwrite`` or ``resume``, a folder that holds checkpoints, a model or files no run wrote is refused
+    (`run_folder_refusal`), naming the flag that continues or replaces it; what an earlier run wrote before its
+    first checkpoint is removed, the job saying it starts over. With ``overwrite``, what a run writes is removed (by
+    the main process) before anything runs, and the user's other files are kept.
     """
     if overwrite and resume:
         raise FAT5Error("--overwrite starts the run over and --resume continues it: pass one of them")
     out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=True, non_empty_ok=True)
-    if overwrite:
-        if main_process and out.is_dir() and any(out.iterdir()):
-            print(f"--overwrite: removing the content of {out}", flush=True)
-            clear_folder(out)
-        return out
     if resume or not out.is_dir():
         return out
-    if any(path.is_dir() for path in out.glob("checkpoint-*")):
-        newest, _ = newest_complete_checkpoint(out)
-        continues = f"continue from {newest.name}" if newest else "continue (no complete checkpoint: it starts over)"
-        raise FAT5Error(f"{out} holds the checkpoints of an earlier run: pass --resume to {continues}, or --overwrite "
-                        "to start over")
-    if any((out / name).is_file() for name in MODEL_FILES):
-        raise FAT5Error(f"{out} already holds a model: pass --overwrite to replace it, or choose another output folder")
+    if overwrite:
+        if main_process and any(is_run_file(path.name) for path in out.iterdir()):
+            kept = _other_files(out)
+            print(f"--overwrite: removing what a run wrote in {out}"
+                  + (f" (keeping the {len(kept)} other files)" if kept else ""), flush=True)
+            remove_run_files(out)
+        return out
+    refusal = run_folder_refusal(out)
+    if refusal:
+        raise FAT5Error(refusal)
+    if main_process and any(is_run_file(path.name) for path in out.iterdir()):
+        names = remove_run_files(out)
+        print(f"{out} holds what an earlier run wrote before its first checkpoint ({', '.join(names)}): starting "
+              "over", flush=True)
     return out
 
 
@@ -281,11 +348,14 @@ def find_resume_checkpoint(output_dir: Path, announce: bool = True) -> Path | No
 
 
 def resume_hint(command: str, output_dir) -> str:
-    """What to run to continue an interrupted job whose output folder is ``output_dir``."""
+    """What to run to continue an interrupted job whose output folder is ``output_dir``: ``--resume`` from its
+    newest complete checkpoint, else the command again (with ``--overwrite`` only where the folder needs it)."""
+    output_dir = Path(output_dir)
     checkpoint, _ = newest_complete_checkpoint(output_dir)
-    if checkpoint is None:
-        return f"no checkpoint was written yet; `{command} --overwrite` starts over"
-    return f"`{command} --resume` continues from {checkpoint}"
+    if checkpoint is not None:
+        return f"`{command} --resume` continues from {checkpoint}"
+    again = f"{command} --overwrite" if run_folder_refusal(output_dir) else command
+    return f"no checkpoint was written yet; `{again}` starts over"
 
 
 def fsync_files(folder: Path) -> None:

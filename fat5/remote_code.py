@@ -76,6 +76,11 @@ def write_remote_code(folder, config) -> None:
         config.custom_pipelines = custom_pipelines()
 
 
+def remote_code_file_names() -> list[str]:
+    """The names of the files `write_remote_code` writes beside a saved model's config.json."""
+    return [path.name for path in _remote_modules(Path(__file__).parent).values()]
+
+
 def remote_code_files(package_dir) -> dict[str, str]:
     """File name -> text of the remote code of the package in ``package_dir``, flattened."""
     package_dir = Path(package_dir)

@@ -3,7 +3,6 @@
 import argparse
 import sys
 
-from ..trainer import finetuning as finetune_job
 from ..trainer.finetune_config import config_reference, load_finetune_config
 
 
@@ -20,7 +19,8 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output folder")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the content of the output folder (never a folder that holds the input)")
+                        help="remove what a run wrote in the output folder (model, checkpoints, records) and start "
+                        "over; your other files there are kept (never a folder that holds the input)")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -33,7 +33,9 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_finetune(args: argparse.Namespace) -> int:
+    # here, not at the top: `fat5 finetune --help` imports this module without torch, which these import
     from ..output_folder import resume_hint
+    from ..trainer import finetuning as finetune_job
 
     try:
         result = finetune_job.finetune(args.config, output_dir=args.output_dir, overrides=args.overrides,
@@ -44,8 +46,10 @@ def _run_finetune(args: argparse.Namespace) -> int:
         output_option = ["--output-dir", args.output_dir] if args.output_dir else []
         command = " ".join(["fat5 finetune", args.config, *output_option,
                             *(f"--set {override}" for override in args.overrides)])
-        print(f"fat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
-        raise
+        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
+        # starts a line of its own, a progress bar may have been drawing on the last one
+        print(f"\nfat5 finetune: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
+        return 130
     for name in ("model_dir", "adapter_dir", "merged_dir", "bundle_dir"):
         if result[name]:
             print(f"{name.removesuffix('_dir')}: {result[name]}")

