@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -7,6 +8,10 @@ import torch
 # Triton kernels run on the CPU through it, so their logic is tested in the CPU suite.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the jobs' caches (~/.cache/fat5: trained tokenizers, compiled code) in a folder of the session's, shared by its tests:
+# the suite leaves the user's home alone, and a test that must see a tokenizer trained gives its job a cache of its own
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fat5-tests-cache-")
 
 import pytest
 from helpers import ROWS, run_quick_start  # after the choice above: helpers imports fat5, which imports triton

@@ -43,6 +43,8 @@ COMPILE_MODES = ("auto", "cuda-graphs", "default", "regional", "none")
 # where Inductor's, AOTAutograd's and Triton's caches go unless compile.cache_dir says otherwise: outside the output
 # folder, so that a run started again (--overwrite, or a new folder) with the same shapes finds its kernels
 DEFAULT_CACHE_DIR = "~/.cache/fat5/compile"
+# where trained tokenizers are kept, named by what trained them: a run on the same texts loads the one trained before
+DEFAULT_TOKENIZER_CACHE_DIR = "~/.cache/fat5/tokenizers"
 # decoder widths of a compiled step's batches when data.shape_buckets is auto (benchmarks/README.md: 5 widths leave
 # the base shape 5.0% padding on the Shakespeare corpus)
 AUTO_SHAPE_BUCKETS = 5
@@ -130,6 +132,10 @@ class TokenizerSection:
     num_sentinels: int = field(default=64, metadata=about("<extra_id_N> tokens of a trained tokenizer", POSITIVE))
     train_on_documents: int | None = field(default=None, metadata=about(
         "train the tokenizer on the first N documents (null: all)", POSITIVE_OR_NULL))
+    cache_dir: str | None = field(default=DEFAULT_TOKENIZER_CACHE_DIR, metadata=about(
+        "trained tokenizers kept by what trained them (the texts, in order, and these settings), so that a run on "
+        "the same texts loads the one trained before instead of training it again; ~/.cache is $XDG_CACHE_HOME when "
+        "set; null: train every time", _cache_dir))
 
 
 @dataclass
@@ -329,18 +335,29 @@ def _auto_mode(config: PretrainConfig, cuda: bool) -> tuple[str, str]:
     return "cuda-graphs", "compile.mode auto: CUDA device"
 
 
-def check_cache_dir(cache_dir: str | None) -> Path | None:
-    """The compile cache folder, made if missing; FAT5Error when it cannot be written to."""
+def cache_folder(cache_dir: str) -> Path:
+    """A cache key's folder: ``~`` expanded, and a leading ``~/.cache`` read as ``$XDG_CACHE_HOME`` when it is set
+    (as Hugging Face's caches do)."""
+    home_cache = Path("~/.cache")
+    path = Path(cache_dir)
+    if os.environ.get("XDG_CACHE_HOME") and path.parts[:2] == home_cache.parts:
+        return Path(os.environ["XDG_CACHE_HOME"], *path.parts[2:])
+    return path.expanduser()
+
+
+def check_cache_dir(cache_dir: str | None, key: str = "compile.cache_dir",
+                    without: str = "null for torch's own") -> Path | None:
+    """The cache folder of config key ``key``, made if missing; FAT5Error when it cannot be written to."""
     if cache_dir is None:
         return None
-    folder = Path(cache_dir).expanduser()
+    folder = cache_folder(cache_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
             pass
     except OSError as error:
-        raise FAT5Error(f"compile.cache_dir {folder} is not writable ({error.strerror or error}): give a folder "
-                        "this user can write to, or null for torch's own") from None
+        raise FAT5Error(f"{key} {folder} is not writable ({error.strerror or error}): give a folder this user can "
+                        f"write to, or {without}") from None
     return folder
 
 

@@ -36,6 +36,7 @@ from .pretrain_config import (
     PretrainConfig,
     PretrainingPath,
     TokenizerSection,
+    cache_folder,
     check_cache_dir,
     choose_path,
     differing_keys,
@@ -83,18 +84,32 @@ def load_corpus(data: DataSection, seed: int):
 def get_tokenizer(settings: TokenizerSection, train_texts, text_column: str, output_dir: Path, saved=None):
     """The configured tokenizer; else the one this run saved (``saved``: the checkpoint a run resumes from, or the
     folder where the main process saved the tokenizer it trained); else a new one, saved in ``output_dir/tokenizer``."""
-    from .tokenizer import load_tokenizer, train_tokenizer
+    from .tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 
     path = settings.path or saved
     if path:
         return load_tokenizer(path)
+
+    def texts():
+        return _texts_for_tokenizer(train_texts, settings.train_on_documents, text_column)
+
+    training = {"vocab_size": settings.vocab_size, "num_sentinels": settings.num_sentinels}
+    kept = None
+    if settings.cache_dir is not None:
+        kept = cache_folder(settings.cache_dir) / tokenizer_fingerprint(texts(), **training)
+        if (kept / "tokenizer.json").is_file():
+            print(f"tokenizer: the one trained before on the same texts and settings ({kept})", flush=True)
+            tokenizer = load_tokenizer(kept)
+            save_tokenizer(tokenizer, output_dir / "tokenizer")
+            return tokenizer
     print(f"training a {settings.vocab_size}-token tokenizer on the corpus", flush=True)
-    return train_tokenizer(
-        _texts_for_tokenizer(train_texts, settings.train_on_documents, text_column),
-        vocab_size=settings.vocab_size,
-        num_sentinels=settings.num_sentinels,
-        save_directory=str(output_dir / "tokenizer"),
-    )
+    tokenizer = train_tokenizer(texts(), **training, save_directory=str(output_dir / "tokenizer"))
+    if kept is not None:
+        try:
+            save_tokenizer(tokenizer, kept)
+        except OSError as error:  # the run has its tokenizer; only the next run's shortcut is lost
+            print(f"tokenizer.cache_dir: could not keep the tokenizer in {kept} ({error.strerror or error})")
+    return tokenizer
 
 
 def build_model(settings: PretrainConfig, tokenizer, vocab_size: int | None = None):
@@ -215,7 +230,10 @@ def check_job_needs(settings: PretrainConfig, output_dir: Path):
             raise FAT5Error(f"the `{package}` package, which {role}, is not installed: pip install {package}")
     _check_corpus(settings.data)
     _check_writable(output_dir)
-    return _checked_tokenizer(settings) if settings.tokenizer.path else None
+    if settings.tokenizer.path:
+        return _checked_tokenizer(settings)
+    check_cache_dir(settings.tokenizer.cache_dir, "tokenizer.cache_dir", "null to train the tokenizer every time")
+    return None
 
 
 def _check_corpus(data: DataSection) -> None:

@@ -10,6 +10,7 @@ Layout of a trained tokenizer, as in T5: ``<pad>`` = 0 (also the decoder start t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,8 @@ PAD_TOKEN = "<pad>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 UL2_PREFIXES = ("[R]", "[S]", "[X]")
+# part of a trained tokenizer's fingerprint: raise it when train_tokenizer makes another tokenizer of the same texts
+TRAINING_REVISION = 1
 TOKENIZER_MODELS = ("unigram", "bpe")
 _SENTINEL_PATTERN = re.compile(r"<extra_id_(\d+)>")
 
@@ -80,7 +83,7 @@ def train_tokenizer(
     )
     wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
     if save_directory is not None:
-        _save_verified(wrapped, save_directory)
+        save_tokenizer(wrapped, save_directory)
     return wrapped
 
 
@@ -156,7 +159,22 @@ def train_from_stdin() -> None:
     sys.stdout.buffer.write(tokenizer.to_str().encode("utf-8"))
 
 
-def _save_verified(tokenizer, save_directory) -> None:
+def tokenizer_fingerprint(texts: Iterable[str], **settings) -> str:
+    """A name for the tokenizer that `train_tokenizer` makes of ``texts`` (in their order) with ``settings`` (its
+    keyword arguments): the same texts and settings, the same name; training is deterministic, so a tokenizer saved
+    under it can stand for training again."""
+    import tokenizers
+
+    digest = hashlib.sha256(json.dumps({"settings": settings, "prefixes": UL2_PREFIXES, "tokenizers":
+                                        tokenizers.__version__, "revision": TRAINING_REVISION},
+                                       sort_keys=True).encode())
+    for text in texts:
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
+
+
+def save_tokenizer(tokenizer, save_directory) -> None:
     """``save_pretrained`` into a temporary folder beside ``save_directory``, loaded back, then renamed to it."""
     from transformers import AutoTokenizer
 
