@@ -163,6 +163,12 @@ def test_the_cards_example_fits_how_the_model_was_trained(tiny_model, tmp_path):
         example_input(pretrained)
     assert str(refused.value) == (f"{pretrained / 'finetune_config.yaml'} is not valid YAML at line 2; fix it or "
                                   "remove it from the model folder")
+    (pretrained / "finetune_config.yaml").unlink()
+    (pretrained / "tokenizer.json").write_text('{"added_tokens": [')
+    with pytest.raises(FAT5Error) as refused:
+        example_input(pretrained)
+    assert str(refused.value).startswith(f"{pretrained / 'tokenizer.json'} is not valid JSON (")
+    assert "\n" not in str(refused.value)
 
 
 # ----------------------------------------------------------------------------------------------- without triton

@@ -170,7 +170,7 @@ def _finetuning_prefix(path: Path) -> str:
         where = f" at line {mark.line + 1}" if mark else ""
         raise FAT5Error(f"{path} is not valid YAML{where}; fix it or remove it from the model folder") from None
     data = finetuning.get("data") if isinstance(finetuning, dict) else None
-    return (data.get("source_prefix") if isinstance(data, dict) else None) or ""
+    return str((data.get("source_prefix") if isinstance(data, dict) else None) or "")
 
 
 def _tokenizer_tokens(model_dir: Path) -> set[str]:
@@ -178,7 +178,12 @@ def _tokenizer_tokens(model_dir: Path) -> set[str]:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         return set()
-    return {token["content"] for token in json.loads(path.read_text(encoding="utf-8")).get("added_tokens", [])}
+    try:
+        tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FAT5Error(f"{path} is not valid JSON ({error}); fix it or remove it from the model folder") from None
+    added = tokenizer.get("added_tokens") if isinstance(tokenizer, dict) else None
+    return {token.get("content") for token in added or [] if isinstance(token, dict)}
 
 
 def _usage_lines(auto_class: str, text: str) -> str:
