@@ -335,6 +335,7 @@ def bundle(
     base_model: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     validate: bool = True,
+    source_prefix: str | None = None,
 ) -> BundleResult:
     """Write `out`: `model_dir`'s FAT5 model as a folder that loads anywhere with `trust_remote_code=True`.
 
@@ -342,14 +343,15 @@ def bundle(
     auto classes), the flattened remote code, the weights as safetensors (sharded with an index above
     `max_shard_size`), generation_config.json, the tokenizer files and conversion report when `model_dir` has them,
     and a README.md model card. `repo_id`, `license` and `base_model` go into the card (`base_model` and `license`
-    default to what the conversion report recorded). With `validate`, the folder is loaded in a fresh process that
-    cannot import fat5 or triton and must reproduce the in-package model's outputs; `out` appears (atomically) only
-    after that.
+    default to what the conversion report recorded); the card's example input starts with `source_prefix` (by
+    default the prefix of the model's finetuning, if `fat5 finetune` trained it: see `example_input`). With
+    `validate`, the folder is loaded in a fresh process that cannot import fat5 or triton and must reproduce the
+    in-package model's outputs; `out` appears (atomically) only after that.
     """
     from fat5.conversion.checkpoint import copy_side_files
     from fat5.output_folder import atomic_directory
 
-    from .model_card import build_model_card
+    from .model_card import build_model_card, example_input
 
     model_dir = Path(model_dir).expanduser()
     if not model_dir.is_dir():
@@ -369,7 +371,8 @@ def bundle(
             shutil.copyfile(model_dir / REPORT_FILE, folder / REPORT_FILE)
             report = json.loads((model_dir / REPORT_FILE).read_text(encoding="utf-8"))
         card = build_model_card(
-            config, architecture=architecture, report=report, repo_id=repo_id, license=license, base_model=base_model
+            config, architecture=architecture, report=report, repo_id=repo_id, license=license, base_model=base_model,
+            example_input=example_input(model_dir, report, source_prefix),
         )
         card.save(folder / "README.md")
         validation = validate_bundle(folder) if validate else None

@@ -1,6 +1,12 @@
 """The README.md model card of a bundled FAT5 folder, written with huggingface_hub's ModelCard / ModelCardData."""
 
+import json
+from pathlib import Path
+
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
+
+from ..errors import FAT5Error
 
 PIPELINE_TAGS = {
     "FAT5ForConditionalGeneration": "text2text-generation",
@@ -19,6 +25,12 @@ AUTO_CLASS_FOR = {
     "FAT5ForQuestionAnswering": "AutoModelForQuestionAnswering",
 }
 FAMILY_TAGS = {"t5": "t5", "mt5": "mt5", "umt5": "umt5"}
+# the text of the card's example, after the prefix the model was trained with (`example_input`)
+SAMPLE_TEXT = "The house is wonderful."
+# what `fat5 finetune` writes beside the model it saves: its resolved configuration, the source prefix included
+FINETUNE_CONFIG_FILE = "finetune_config.yaml"
+# UL2's prefix-LM mode token: `fat5 pretrain` puts it before the texts its model learns to continue
+PREFIX_LM_MODE = "[S] "
 
 
 def _check_section(report: dict) -> str:
@@ -90,11 +102,13 @@ def build_model_card(
     repo_id: str | None = None,
     license: str | None = None,
     base_model: str | None = None,
+    example_input: str = SAMPLE_TEXT,
 ) -> ModelCard:
     """A model card for a bundled FAT5 folder with `config` (its config.json) and `architecture`.
 
     `report` is the conversion report (`fat5_conversion.json`) when the model was converted: it gives the base
     model (its Hub id), the licence and the check's figures unless `base_model` / `license` are passed.
+    `example_input` is the text the card's code gives the model (`example_input` finds the one that fits a folder).
     """
     report = report or {}
     base_model = base_model or report.get("repo_id")
@@ -112,7 +126,7 @@ def build_model_card(
         sizes=_architecture_summary(config),
         auto_class=auto_class,
         name=repo_id or "path/to/this/folder",
-        usage_inputs=_usage_lines(auto_class),
+        usage_inputs=_usage_lines(auto_class, example_input),
         export=_export_clause(config),
         check=_check_section(report) if report else NO_REPORT,
     )
@@ -131,14 +145,58 @@ def _origin(base_model: str | None, report: dict) -> str:
     return "a FAT5 conversion of a " + report["source_architecture"] + " checkpoint" if report else "a FAT5 model"
 
 
-def _usage_lines(auto_class: str) -> str:
-    """The lines of the loading example that run the model: generation for a seq2seq LM, else one forward."""
+def example_input(model_dir, report: dict | None = None, source_prefix: str | None = None) -> str:
+    """The card's example text in the form the model in `model_dir` was trained on: after `source_prefix`, or the
+    source prefix of its finetuning (`finetune_config.yaml` beside it); after UL2's prefix-LM mode token for a model
+    that `fat5 pretrain` trained (its tokenizer has the mode tokens), which then continues the text; as a
+    translation instruction for a converted FLAN checkpoint (`report`, its conversion report); else bare."""
+    model_dir = Path(model_dir)
+    if source_prefix is None and (model_dir / FINETUNE_CONFIG_FILE).is_file():
+        source_prefix = _finetuning_prefix(model_dir / FINETUNE_CONFIG_FILE)
+    if source_prefix is not None:
+        return source_prefix + SAMPLE_TEXT
+    if PREFIX_LM_MODE.strip() in _tokenizer_tokens(model_dir):
+        return PREFIX_LM_MODE + SAMPLE_TEXT
+    if "flan" in str((report or {}).get("repo_id", "")).lower():
+        return "translate English to German: " + SAMPLE_TEXT
+    return SAMPLE_TEXT
+
+
+def _finetuning_prefix(path: Path) -> str:
+    try:
+        finetuning = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise FAT5Error(f"{path} is not valid YAML{where}; fix it or remove it from the model folder") from None
+    data = finetuning.get("data") if isinstance(finetuning, dict) else None
+    return str((data.get("source_prefix") if isinstance(data, dict) else None) or "")
+
+
+def _tokenizer_tokens(model_dir: Path) -> set[str]:
+    """The added tokens of the folder's fast tokenizer (where the mode tokens are), none without tokenizer.json."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return set()
+    try:
+        tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FAT5Error(f"{path} is not valid JSON ({error}); fix it or remove it from the model folder") from None
+    added = tokenizer.get("added_tokens") if isinstance(tokenizer, dict) else None
+    return {token.get("content") for token in added or [] if isinstance(token, dict)}
+
+
+def _usage_lines(auto_class: str, text: str) -> str:
+    """The lines of the loading example that run the model on `text`: generation for a seq2seq LM, else one
+    forward."""
+    # a JSON string is a Python string literal too, whatever quotes or backslashes the text holds
+    literal = json.dumps(text, ensure_ascii=False)
     if auto_class == "AutoModelForSeq2SeqLM":
         return (
-            'inputs = tokenizer("translate English to German: The house is wonderful.", return_tensors="pt")\n'
+            f'inputs = tokenizer({literal}, return_tensors="pt")\n'
             "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0], skip_special_tokens=True))"
         )
-    return 'outputs = model(**tokenizer("A sentence to encode.", return_tensors="pt"))'
+    return f'outputs = model(**tokenizer({literal}, return_tensors="pt"))'
 
 
 def _architecture_summary(config: dict) -> str:

@@ -33,7 +33,11 @@ def _triton_unusable_reason() -> str | None:
 # Why the Triton kernels cannot run here, or None when they can. Settled once at import: the ops read it inside
 # torch.compile'd code, where a check that imports or parses would be traced.
 TRITON_UNUSABLE_REASON = _triton_unusable_reason()
-if TRITON_UNUSABLE_REASON not in (None, _TRITON_NOT_INSTALLED):  # CPU-only installs lack triton by design
+# CPU-only installs lack triton by design (it is no base dependency); only a CUDA machine loses the kernels by it
+if TRITON_UNUSABLE_REASON == _TRITON_NOT_INSTALLED and torch.cuda.is_available():
+    warnings.warn("FAT5's Triton kernels are off on this CUDA machine, the slower PyTorch reference ops run instead: "
+                  "the `triton` package is not installed (pip install 'triton>=3.3')", stacklevel=2)
+elif TRITON_UNUSABLE_REASON not in (None, _TRITON_NOT_INSTALLED):
     warnings.warn(
         f"FAT5's Triton kernels are off, its PyTorch reference ops run instead: {TRITON_UNUSABLE_REASON}", stacklevel=2
     )

@@ -267,7 +267,8 @@ def _write_models(setup: FinetuneSetup, output_dir: Path) -> dict:
         if main_process:
             from ..hub_upload import bundle
 
-            bundle(output_dir, bundle_dir, overwrite=True)
+            # finetune_config.yaml, where a later `fat5 bundle` reads the prefix, is not written yet
+            bundle(output_dir, bundle_dir, overwrite=True, source_prefix=config["data"]["source_prefix"])
         folders["bundle_dir"] = str(bundle_dir.absolute())
     return folders
 

@@ -429,6 +429,18 @@ class FAT5Trainer(Seq2SeqTrainer):
             stack.callback(setattr, config, "label_smoothing", own_smoothing)
         return stack
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        # After each generate, Seq2SeqTrainer fills every unset field of the model's generation config with
+        # transformers' defaults (max_length 20, top_k 50, ...). Saved with the model, an explicit max_length 20
+        # conflicts with every later generate(max_new_tokens=...), which then warns; the unset fields are unset again.
+        generation_config = getattr(self.model, "generation_config", None)
+        unset = [name for name, value in vars(generation_config).items() if value is None] if generation_config else []
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        finally:
+            for name in unset:
+                setattr(generation_config, name, None)
+
     def training_step(self, model, inputs, *args, **kwargs):
         # The first step of each batch shape compiles (Triton kernels; with torch_compile, the graph and its CUDA
         # graphs): its time is logged, as `first_step_seconds`, so that the cost of a new shape is seen. Packed
