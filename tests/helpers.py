@@ -35,6 +35,7 @@ __all__ = [
     "REPO",
     "ROWS",
     "SMALL_PRETRAIN",
+    "SPEECHES_CORPUS",
     "TINY",
     "TINY_PRETRAIN",
     "benchmark_module",
@@ -75,17 +76,21 @@ TINY = {
     "decoder_start_token_id": 0,
 }
 
-# the smallest pretraining job: it trains its own tokenizer on the built-in text (tests add their `training` section)
+# The jobs below read the shipped speeches (34 kB) as their corpus, not the built-in plays (5 MB): training a tokenizer
+# on the plays and tokenizing them took most of each run, and no test of these jobs depends on the corpus's size (the
+# quick-start tests run the built-in default on the plays).
+SPEECHES_CORPUS = {"path": str(DATA), "text_column": "document"}
+# the smallest pretraining job: it trains its own tokenizer on the speeches (tests add their `training` section)
 TINY_PRETRAIN = {
     "model": {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_heads": 4, "num_layers": 1},
     "tokenizer": {"vocab_size": 300, "num_sentinels": 8},
-    "data": {"max_input_length": 32, "max_target_length": 16, "tokens_per_batch": 128, "eval_fraction": 0.0},
+    "data": {**SPEECHES_CORPUS, "max_input_length": 32, "max_target_length": 16, "tokens_per_batch": 128},
 }
 # a pretraining run that learns something in 8 steps and saves two checkpoints
 SMALL_PRETRAIN = {
     "model": {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_heads": 4, "num_layers": 1},
     "tokenizer": {"vocab_size": 400, "num_sentinels": 16},
-    "data": {"max_input_length": 64, "max_target_length": 32, "tokens_per_batch": 512, "eval_fraction": 0.0},
+    "data": {**SPEECHES_CORPUS, "max_input_length": 64, "max_target_length": 32, "tokens_per_batch": 512},
     "training": {"max_steps": 8, "logging_steps": 1, "save_steps": 4, "eval_strategy": "no", "warmup_steps": 0,
                  "learning_rate": 1e-3, "save_total_limit": None},
 }

@@ -5,9 +5,9 @@ checkpoint) forks a copy of itself at each checkpoint write and kills the copy w
 the write, from before its first file to after its rename (the write's length is measured first, in a copy that
 is left to finish). After each kill the folder must hold only complete checkpoints, the previous newest or the new
 one must be there, and the one `--resume` picks must load. Then the run writes the checkpoint itself and trains on.
-Two of the killed states are kept and resumed by the `fat5 pretrain --resume` command: one killed during the first
-write (nothing complete: it starts over and says so) and one killed during the last (it continues from the
-previous checkpoint); each finishes with a model that loads.
+Two of the killed states are kept and resumed by the `fat5 pretrain --resume` command (its entry, in the test's
+process): one killed during the first write (nothing complete: it starts over and says so) and one killed during the
+last (it continues from the previous checkpoint); each finishes with a model that loads.
 """
 
 import json
@@ -106,15 +106,18 @@ def _drive(run_dir: Path, keep: Path) -> None:
     (keep / "report.json").write_text(json.dumps(report))
 
 
-def _resume(config: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fat5.cli", "pretrain", str(config), "--output-dir", str(run_dir), "--resume"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
+def _resume(config: Path, run_dir: Path, capfd) -> tuple[int, str]:
+    """`fat5 pretrain CONFIG --output-dir RUN_DIR --resume` through the command's entry, in this process (a process
+    of its own would import torch again): its exit status and what it printed."""
+    from fat5_command import main
+
+    capfd.readouterr()
+    status = main(["pretrain", str(config), "--output-dir", str(run_dir), "--resume"])
+    return status, capfd.readouterr().out
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the killed copies are forked")
-def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path):
+def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path, capfd):
     from transformers import AutoModelForSeq2SeqLM
 
     import fat5  # noqa: F401  (registers FAT5 with the Auto classes)
@@ -136,12 +139,12 @@ def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path):
 
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(CONFIG))
-    first = _resume(config, keep / "checkpoint-2")
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert "no complete checkpoint" in first.stdout and "starting from step 0" in first.stdout
-    last = _resume(config, keep / "checkpoint-6")
-    assert last.returncode == 0, last.stderr[-4000:]
-    assert f"continuing from {keep / 'checkpoint-6' / 'checkpoint-4'}" in last.stdout
+    status, printed = _resume(config, keep / "checkpoint-2", capfd)
+    assert status == 0
+    assert "no complete checkpoint" in printed and "starting from step 0" in printed
+    status, printed = _resume(config, keep / "checkpoint-6", capfd)
+    assert status == 0
+    assert f"continuing from {keep / 'checkpoint-6' / 'checkpoint-4'}" in printed
     for resumed in (keep / "checkpoint-2", keep / "checkpoint-6"):
         summary = json.loads((resumed / "pretrain_summary.json").read_text())
         assert summary["steps"] == CONFIG["training"]["max_steps"]

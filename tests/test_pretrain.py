@@ -255,7 +255,8 @@ def test_the_corpus_folders_read_are_never_written_to(tmp_path):
     (jsonl / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     before = {folder: folder_fingerprint(folder) for folder in (saved, jsonl)}
     for folder in (saved, jsonl):
-        overrides = {"data": {"corpus": None, "path": str(folder)}, "training": {"max_steps": 1, "eval_strategy": "no"}}
+        overrides = {"data": {"corpus": None, "path": str(folder), "text_column": "text"},
+                     "training": {"max_steps": 1, "eval_strategy": "no"}}
         pretrain(TINY_PRETRAIN, tmp_path / f"run-{folder.name}", overrides=overrides)
     assert {folder: folder_fingerprint(folder) for folder in (saved, jsonl)} == before
     assert len(datasets.load_from_disk(str(saved))) == len(ROWS)

@@ -126,7 +126,7 @@ def test_the_resolved_config_is_saved_said_first_and_reused_on_resume(tmp_path, 
     assert saved["resolved"]["compile_mode"] == "none" and saved["resolved"]["shape_buckets"] is None
     assert saved["data"]["max_input_length"] == 64 and saved["compile"]["mode"] == "auto"
     # defaults filled in: keys the config did not give
-    assert saved["data"]["text_column"] == "text" and saved["training"]["lr_scheduler_type"] == "cosine"
+    assert saved["data"]["split"] == "train" and saved["training"]["lr_scheduler_type"] == "cosine"
     assert not list(output.glob(".*.tmp"))
 
     # resumed without a config: the saved one (the built-in default would build a d_model-128 model for 300 steps)

@@ -26,12 +26,13 @@ push_module = sys.modules["fat5.hub_upload.push"]
 
 class FakeHub:
     """Answers the endpoints `create_repo`, `create_branch` and `upload_folder` use (files are all declared
-    "regular", so their bytes travel inside the commit); `failures` maps a path fragment to an HTTP status to
-    answer instead."""
+    "regular", so their bytes travel inside the commit), and file downloads as the Hub does for a repo it holds no
+    file of; `failures` maps a path fragment to an HTTP status to answer instead."""
 
     def __init__(self):
         self.requests = []
         self.failures: dict[str, int] = {}
+        self.created: set[str] = set()
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,7 +47,8 @@ class FakeHub:
                 for key, value in headers:
                     self.send_header(key, value)
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":
+                    self.wfile.write(body)
 
             def _handle(self):
                 path = urlsplit(self.path).path
@@ -61,6 +63,7 @@ class FakeHub:
                         return self._answer(status, {"error": f"fake hub says {status}"})
                 if path == "/api/repos/create":
                     request = json.loads(body)
+                    hub.created.add(f"{request['organization']}/{request['name']}")
                     return self._answer(200, {"url": f"{hub.url}/{request['organization']}/{request['name']}"})
                 if path == "/api/validate-yaml":  # upload_folder checks the README's metadata first
                     return self._answer(200, {"errors": [], "warnings": []})
@@ -76,9 +79,12 @@ class FakeHub:
                     return self._answer(200, {"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid})
                 if "/branch/" in path:
                     return self._answer(200, {})
+                if "/resolve/" in path and path.split("/resolve/")[0].strip("/") in hub.created:
+                    # transformers' push_to_hub reads the new repo's model card first (there is none yet)
+                    return self._answer(404, {"error": "Entry not found"}, [("X-Error-Code", "EntryNotFound")])
                 return self._answer(404, {"error": "Repository not found"}, [("X-Error-Code", "RepoNotFound")])
 
-            do_GET = do_POST = do_PUT = _handle
+            do_GET = do_HEAD = do_POST = do_PUT = _handle
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -107,6 +113,9 @@ def hub(monkeypatch, tmp_path):
     fake = FakeHub()
     fake.thread.start()
     monkeypatch.setattr(constants, "ENDPOINT", fake.url)
+    # file downloads build their address from this template, made from the real endpoint at import: without it they
+    # would go to huggingface.co, which a machine without internet retries with backoff for 24 s
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-stored-tokens"))
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")

@@ -164,13 +164,15 @@ def test_the_same_corpus_trains_the_same_tokenizer_in_every_process():
 def test_the_same_seed_gives_the_same_tokenizer_and_losses(tmp_path):
     """Two pretraining runs of one config and seed (three default runs used to end at eval losses 5.590, 5.606,
     5.603): the same tokenizer, the same logged losses."""
+    from helpers import SPEECHES_CORPUS
+
     from fat5.trainer.pretraining import pretrain
 
     config = {
         "model": {"d_model": 16, "d_kv": 8, "d_ff": 32, "num_heads": 2, "num_layers": 1},
         # each run trains its tokenizer (the cache would hand the second the first's)
         "tokenizer": {"vocab_size": 300, "num_sentinels": 16, "cache_dir": None},
-        "data": {"max_input_length": 64, "max_target_length": 32, "tokens_per_batch": 256, "eval_fraction": 0.0},
+        "data": {**SPEECHES_CORPUS, "max_input_length": 64, "max_target_length": 32, "tokens_per_batch": 256},
         "training": {"max_steps": 3, "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no",
                      "warmup_steps": 0, "learning_rate": 1e-3, "disable_tqdm": True},
     }
