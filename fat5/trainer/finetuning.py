@@ -11,7 +11,8 @@ the adapter merged back into a plain FAT5 model, the PEFT adapter itself then in
 ``peft.AutoPeftModelForSeq2SeqLM.from_pretrained`` loads; with ``merge: false`` the adapter is the folder's model);
 the checkpoints in ``checkpoint-N``; ``bundle/`` when asked; ``metrics.json``; and the resolved configuration as
 ``finetune_config.yaml``. A folder that already holds a model or checkpoints is refused: ``--resume`` continues from
-its newest complete checkpoint, ``--overwrite`` replaces its content (never a folder that holds the input).
+its newest complete checkpoint, ``--overwrite`` removes what a run wrote there (never the user's other files, nor a
+folder that holds the input).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def finetune(config_path_or_dict, output_dir=None, overrides=(), overwrite: bool
     "log_history"}``: the folders written (None where not applicable), the train and final evaluation metrics and
     the Trainer's log history. Configuration and data mistakes raise `FAT5Error`, as does an output folder that
     already holds a model or checkpoints unless ``resume`` (continue from the newest complete checkpoint) or
-    ``overwrite`` (replace the folder's content) is set.
+    ``overwrite`` (remove what a run wrote there) is set.
     """
     config = load_finetune_config(config_path_or_dict, output_dir=output_dir, overrides=overrides)
     _prepare_output_folder(config, config_path_or_dict, overwrite=overwrite, resume=resume)
