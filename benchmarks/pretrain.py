@@ -181,7 +181,9 @@ def job_compile_mode(args) -> str:
     """The compile mode the job of ``--config`` takes on this benchmark's device, at the config's own length."""
     from fat5.trainer.pretrain_config import choose_path, load_pretrain_config
 
-    return choose_path(load_pretrain_config(args.config), cuda=args.device == "cuda").compile_mode
+    # gradient_check.py's arguments name no device: it trains where the job would
+    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    return choose_path(load_pretrain_config(args.config), cuda=device == "cuda").compile_mode
 
 
 def prepare_job(args, seed: int, initialization: str | None, output_dir, steps: int | None = None, tokenizer=None,
