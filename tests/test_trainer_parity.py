@@ -436,7 +436,8 @@ def test_missing_data_files_are_named(tiny_model, tmp_path):
 
     config = json.loads(json.dumps(SMALL_PRETRAIN))
     config["data"] = {**config["data"], "path": str(tmp_path / "none.jsonl")}
-    with pytest.raises(FAT5Error, match=r"cannot load the corpus .*none.jsonl"):
+    # the pre-flight finds it before any work
+    with pytest.raises(FAT5Error, match=r"the corpus .*none.jsonl: no such file or folder; give a data file"):
         pretrain(config, tmp_path / "pretrain")
     config = seq2seq_config(tiny_model, tmp_path / "finetune")
     config["data"]["validation_file"] = str(DATA.with_name("none.jsonl"))
