@@ -27,12 +27,12 @@ def example_parser(description: str, default_output_dir: str | None) -> argparse
 
 def model_folder(args: argparse.Namespace, output_dir: Path, text_column: str = "document") -> Path:
     """``--model``, or with ``--tiny`` a tiny random FAT5 and a tokenizer trained on the training texts, written
-    under ``output_dir``."""
+    beside ``output_dir`` (a job refuses an output folder holding files no run wrote)."""
     if not args.tiny:
         return Path(args.model)
     with open(args.train_file, encoding="utf-8") as file:
         texts = [json.loads(line)[text_column] for line in file if line.strip()]
-    return make_tiny_model(output_dir / "tiny-model", texts)
+    return make_tiny_model(output_dir.parent / f"{output_dir.name}-tiny-model", texts)
 
 
 def short_run_arguments(args: argparse.Namespace) -> dict:
