@@ -23,8 +23,6 @@ from fat5.trainer.packing import (
 )
 from fat5.trainer.ul2 import UL2Objective
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VOCAB = 512
 SENTINELS = np.arange(VOCAB - 1, VOCAB - 1 - 64, -1)
 LAYOUT_KEYS = ("cu_seqlens", "segment_position_ids", "decoder_cu_seqlens", "decoder_segment_position_ids")
