@@ -343,9 +343,8 @@ def _t5_output_and_gradients(query, key, value, table, grad_out, varlen, causal)
 def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, deterministic_algorithms, dtype, wide_tiles):
     """The dk/dv kernel's near tiles reading their bias whole from the bank give every output and gradient of the
     per-score gather exactly (a frozen table, a non-causal call), with far tiles on both sides of the near ones
-    (max_distance 12, 16 x 16 tiles), partial blocks and varlen segments of odd lengths; the bank is made for the
-    frozen table only (a trained table, or a causal call, gathers). ``wide_tiles``: key tiles twice the query tiles
-    (as the GPU's head-dim-128 dk/dv kernel)."""
+    (max_distance 12, 16 x 16 tiles), partial blocks and varlen segments of odd lengths. ``wide_tiles``: key tiles
+    twice the query tiles (as the GPU's head-dim-128 dk/dv kernel)."""
     if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
         queries, keys, warps = (16, 32, 1) if DEVICE == "cpu" else (32, 64, 4)
         monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
@@ -371,9 +370,6 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
             monkeypatch.setattr(attention_triton, "T5_BIAS_BANK", bank)
             results[bank] = _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
         assert len(spy.grids) == 1  # the bank path's dk/dv kernel
-        _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
-        _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=True)
-        assert len(spy.grids) == 1  # a trained table and a causal call gather
     finally:
         torch.use_deterministic_algorithms(False)
     for name, with_bank, gathered in zip(("out", "dq", "dk", "dv"), results[True], results[False]):
@@ -382,6 +378,29 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
             torch.testing.assert_close(with_bank, gathered)
         else:
             assert torch.equal(with_bank, gathered), name
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_t5_bias_bank_is_made_for_a_frozen_table_in_a_non_causal_call_only(monkeypatch, layout):
+    """A trained table (the near tiles also sum its gradient) and a causal call gather their bias per score. Which
+    path a call takes does not depend on its size: a few tokens tell."""
+    torch.manual_seed(9)
+    heads, head_dim, length = 2, 16, 20
+    if layout == "varlen":
+        varlen = (torch.tensor([0, 7, length], dtype=torch.int32, device=DEVICE), length - 7)
+        query, key, value = (make_leaf(length, heads, head_dim) for _ in range(3))
+    else:
+        varlen = None
+        query, key, value = (make_leaf(1, heads, length, head_dim) for _ in range(3))
+    frozen = torch.randn(8, heads, device=DEVICE)
+    grad_out = torch.randn_like(query)
+    spy = _Spy(attention_triton._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
+    assert len(spy.grids) == 1  # the frozen table in a non-causal call: the bank
+    _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
+    _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=True)
+    assert len(spy.grids) == 1
 
 
 def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():
