@@ -299,14 +299,16 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     monkeypatch.setattr(attention_triton, "_split_combine_kernel", spy)
     monkeypatch.setattr(attention_triton, "_multiprocessors", lambda device: 16)
     torch.manual_seed(3)
-    # long enough to split with the GPU's 64-key decoding tiles too (150 keys made 3 blocks there: no split)
-    batch, heads, cache, head_dim = 1, 2, 600, 32
+    # long enough to split into 2-block splits: 10 of the interpreter's 16-key tiles, 10 of the GPU's 64-key decoding
+    # tiles (150 keys made 3 blocks there: no split); keys 64 to 95 (the interpreter's third split) are all padding
+    batch, heads, head_dim = 1, 2, 32
+    cache, padding = (600, slice(40, 300)) if DEVICE == "cuda" else (160, slice(40, 100))
     query = make_leaf(batch, heads, query_length, head_dim, dtype=dtype)
     key = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     value = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     table = torch.randn(32, heads, device=DEVICE, requires_grad=True)
     mask = torch.ones(batch, cache, dtype=torch.bool, device=DEVICE)
-    mask[:, 40:300] = False  # whole splits see only padding
+    mask[:, padding] = False  # whole splits see only padding
     options = {"causal": True, "query_offset": cache - query_length, "key_padding_mask": mask, "bidirectional": False,
                    "num_buckets": 32, "max_distance": 128}
 
