@@ -26,6 +26,7 @@ from fat5 import FAT5ForConditionalGeneration
 from fat5.trainer.collator import UL2DataCollator
 from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
 from fat5.trainer.tokenizer import load_tokenizer, train_tokenizer
+from fat5_command import main
 
 DOCUMENTS = [row["document"] for row in ROWS]
 STEPS = 4
@@ -105,11 +106,15 @@ def finetune_config(model_dir, accumulation: int, device: str = "cpu") -> dict:
 
 def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config: str | None = None,
             processes: int = 2, device: str = "cpu") -> Path:
-    """``fat5 JOB`` in one plain process (``accelerate_config`` None), or under ``accelerate launch`` with the shipped
-    ``examples/accelerate/{accelerate_config}.yaml`` in ``processes`` processes; returns the output folder."""
+    """``fat5 JOB`` in one plain process (``accelerate_config`` None: on the CPU this process, which has imported
+    torch already), or under ``accelerate launch`` with the shipped ``examples/accelerate/{accelerate_config}.yaml``
+    in ``processes`` processes; returns the output folder."""
     config_file = tmp_path / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config))
     output = tmp_path / name
+    if accelerate_config is None and device == "cpu":
+        assert main([job, str(config_file), "--output-dir", str(output)]) == 0
+        return output
     command = ["-m", "fat5.cli", job, str(config_file), "--output-dir", str(output)]
     environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
