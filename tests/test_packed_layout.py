@@ -258,7 +258,7 @@ def test_varlen_kernels_take_a_larger_max_seqlen(causal):
 def test_the_step_with_the_collators_layout_has_no_graph_break():
     """With the layout given, dynamo traces the whole forward in one graph (nothing is read back to the host); from
     the segment ids alone, the derivation's reads break it."""
-    batches, _ = bucketed_batches([50, 12, 30], max_input_length=32, buckets=1, tokens_per_batch=400)
+    batches, _ = bucketed_batches([40, 12, 30, 7], max_input_length=32, buckets=1, tokens_per_batch=256)
     batch = batches[0]
     model = tiny_model(num_layers=1)
     torch._dynamo.reset()
