@@ -8,6 +8,11 @@ import torch
 # Triton kernels run on the CPU through it, so their logic is tested in the CPU suite.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests' models are tiny: their products run fastest on one thread, and far faster when other processes share the
+# cores (a product split over two threads waits for a core another process holds: test_modeling's five static-cache
+# tests took 99 s on two threads, 8 s on one, on a loaded 2-core machine). The processes the tests start (the `fat5`
+# command, fresh interpreters) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # the jobs' caches (~/.cache/fat5: trained tokenizers, compiled code) in a folder of the session's, shared by its tests:
 # the suite leaves the user's home alone, and a test that must see a tokenizer trained gives its job a cache of its own
@@ -25,14 +30,25 @@ def quick_start_run(tmp_path_factory):
     return folder, run_quick_start(folder)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Tiny models run fastest on one thread, and far faster when other processes share the cores (a module opts in
-    with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    """Every test runs with OMP_NUM_THREADS threads (one unless the environment says otherwise: see above)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """What a test sets in os.environ ends with it: benchmarks/pretrain.py --restart, run in-process, pointed the
+    compile caches at its own empty folder, and every later compile of the session, in the processes the tests start
+    too, began cold (test_t5_parity's two compiles: 97 s instead of 35 s)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="module")

@@ -299,14 +299,16 @@ def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     monkeypatch.setattr(attention_triton, "_split_combine_kernel", spy)
     monkeypatch.setattr(attention_triton, "_multiprocessors", lambda device: 16)
     torch.manual_seed(3)
-    # long enough to split with the GPU's 64-key decoding tiles too (150 keys made 3 blocks there: no split)
-    batch, heads, cache, head_dim = 1, 2, 600, 32
+    # long enough to split into 2-block splits: 10 of the interpreter's 16-key tiles, 10 of the GPU's 64-key decoding
+    # tiles (150 keys made 3 blocks there: no split); keys 64 to 95 (the interpreter's third split) are all padding
+    batch, heads, head_dim = 1, 2, 32
+    cache, padding = (600, slice(40, 300)) if DEVICE == "cuda" else (160, slice(40, 100))
     query = make_leaf(batch, heads, query_length, head_dim, dtype=dtype)
     key = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     value = make_leaf(batch, heads, cache, head_dim, dtype=dtype)
     table = torch.randn(32, heads, device=DEVICE, requires_grad=True)
     mask = torch.ones(batch, cache, dtype=torch.bool, device=DEVICE)
-    mask[:, 40:300] = False  # whole splits see only padding
+    mask[:, padding] = False  # whole splits see only padding
     options = {"causal": True, "query_offset": cache - query_length, "key_padding_mask": mask, "bidirectional": False,
                    "num_buckets": 32, "max_distance": 128}
 
@@ -343,9 +345,8 @@ def _t5_output_and_gradients(query, key, value, table, grad_out, varlen, causal)
 def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, deterministic_algorithms, dtype, wide_tiles):
     """The dk/dv kernel's near tiles reading their bias whole from the bank give every output and gradient of the
     per-score gather exactly (a frozen table, a non-causal call), with far tiles on both sides of the near ones
-    (max_distance 12, 16 x 16 tiles), partial blocks and varlen segments of odd lengths; the bank is made for the
-    frozen table only (a trained table, or a causal call, gathers). ``wide_tiles``: key tiles twice the query tiles
-    (as the GPU's head-dim-128 dk/dv kernel)."""
+    (max_distance 12, 16 x 16 tiles), partial blocks and varlen segments of odd lengths. ``wide_tiles``: key tiles
+    twice the query tiles (as the GPU's head-dim-128 dk/dv kernel)."""
     if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
         queries, keys, warps = (16, 32, 1) if DEVICE == "cpu" else (32, 64, 4)
         monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
@@ -371,9 +372,6 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
             monkeypatch.setattr(attention_triton, "T5_BIAS_BANK", bank)
             results[bank] = _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
         assert len(spy.grids) == 1  # the bank path's dk/dv kernel
-        _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
-        _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=True)
-        assert len(spy.grids) == 1  # a trained table and a causal call gather
     finally:
         torch.use_deterministic_algorithms(False)
     for name, with_bank, gathered in zip(("out", "dq", "dk", "dv"), results[True], results[False]):
@@ -382,6 +380,29 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
             torch.testing.assert_close(with_bank, gathered)
         else:
             assert torch.equal(with_bank, gathered), name
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_t5_bias_bank_is_made_for_a_frozen_table_in_a_non_causal_call_only(monkeypatch, layout):
+    """A trained table (the near tiles also sum its gradient) and a causal call gather their bias per score. Which
+    path a call takes does not depend on its size: a few tokens tell."""
+    torch.manual_seed(9)
+    heads, head_dim, length = 2, 16, 20
+    if layout == "varlen":
+        varlen = (torch.tensor([0, 7, length], dtype=torch.int32, device=DEVICE), length - 7)
+        query, key, value = (make_leaf(length, heads, head_dim) for _ in range(3))
+    else:
+        varlen = None
+        query, key, value = (make_leaf(1, heads, length, head_dim) for _ in range(3))
+    frozen = torch.randn(8, heads, device=DEVICE)
+    grad_out = torch.randn_like(query)
+    spy = _Spy(attention_triton._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
+    assert len(spy.grids) == 1  # the frozen table in a non-causal call: the bank
+    _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
+    _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=True)
+    assert len(spy.grids) == 1
 
 
 def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():

@@ -2,11 +2,12 @@
 and nothing half-written. A 3 MiB tmpfs, filled but for a little, stands in for the full disk (mounting one needs root:
 the tests are skipped, saying why, where it cannot be mounted)."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,15 +34,22 @@ def _fill(disk, leave: int) -> None:
     (disk / "filler").write_bytes(b"\0" * max(free - leave, 0))
 
 
-def _fat5(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fat5.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=900, cwd=cwd, check=False)
+def _fat5(*args) -> subprocess.CompletedProcess:
+    """`fat5 ARGS` through the command's entry, in this process (a process of its own would import torch again; the
+    installed script is test_cli.py's): its exit status and what it printed, as `subprocess.run` gives them. An
+    exception the command let through fails the test here as a traceback would there."""
+    from fat5.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main([str(arg) for arg in args])
+    return subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
 
 
 def test_convert_on_a_full_disk(small_disk, tmp_path):
     source = make_checkpoint(tmp_path / "t5", "t5")
     _fill(small_disk, leave=20_000)
-    converted = _fat5("convert", source, small_disk / "fat5", cwd=tmp_path)
+    converted = _fat5("convert", source, small_disk / "fat5")
     assert converted.returncode == 2, converted.stderr[-3000:]
     [line] = converted.stderr.strip().splitlines()
     assert line.startswith(f"fat5 convert: error: the disk holding {small_disk} is full")
@@ -59,7 +67,7 @@ def test_pretrain_on_a_full_disk(small_disk, tmp_path):
     # room for the tokenizer the run trains, not for its checkpoint (weights, optimizer state)
     _fill(small_disk, leave=150_000)
     run = small_disk / "run"
-    pretrained = _fat5("pretrain", tmp_path / "config.yaml", "--output-dir", run, cwd=tmp_path)
+    pretrained = _fat5("pretrain", tmp_path / "config.yaml", "--output-dir", run)
     assert pretrained.returncode == 2, pretrained.stderr[-3000:]
     [line] = [line for line in pretrained.stderr.strip().splitlines() if line.startswith("fat5 pretrain")]
     assert "Traceback" not in pretrained.stderr
@@ -83,7 +91,7 @@ def test_finetune_on_a_full_disk(small_disk, tmp_path, tiny_model):
     # room for the run's records, not for the final model's weights
     _fill(small_disk, leave=40_000)
     run = small_disk / "run"
-    finetuned = _fat5("finetune", tmp_path / "config.yaml", "--output-dir", run, cwd=tmp_path)
+    finetuned = _fat5("finetune", tmp_path / "config.yaml", "--output-dir", run)
     assert finetuned.returncode == 2, finetuned.stderr[-3000:]
     assert "Traceback" not in finetuned.stderr
     [line] = [line for line in finetuned.stderr.strip().splitlines() if line.startswith("fat5 finetune")]

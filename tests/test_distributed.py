@@ -26,6 +26,7 @@ from fat5 import FAT5ForConditionalGeneration
 from fat5.trainer.collator import UL2DataCollator
 from fat5.trainer.packing import PlannedDataset, UL2PackedBatchSampler
 from fat5.trainer.tokenizer import load_tokenizer, train_tokenizer
+from fat5_command import main
 
 DOCUMENTS = [row["document"] for row in ROWS]
 STEPS = 4
@@ -105,11 +106,15 @@ def finetune_config(model_dir, accumulation: int, device: str = "cpu") -> dict:
 
 def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config: str | None = None,
             processes: int = 2, device: str = "cpu") -> Path:
-    """``fat5 JOB`` in one plain process (``accelerate_config`` None), or under ``accelerate launch`` with the shipped
-    ``examples/accelerate/{accelerate_config}.yaml`` in ``processes`` processes; returns the output folder."""
+    """``fat5 JOB`` in one plain process (``accelerate_config`` None: on the CPU this process, which has imported
+    torch already), or under ``accelerate launch`` with the shipped ``examples/accelerate/{accelerate_config}.yaml``
+    in ``processes`` processes; returns the output folder."""
     config_file = tmp_path / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config))
     output = tmp_path / name
+    if accelerate_config is None and device == "cpu":
+        assert main([job, str(config_file), "--output-dir", str(output)]) == 0
+        return output
     command = ["-m", "fat5.cli", job, str(config_file), "--output-dir", str(output)]
     environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -325,49 +330,58 @@ from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.modeling_fat5 import FAT5Block
 
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-config = FAT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, dropout_rate=0.0,
-                    feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
-                    position_encoding=sys.argv[1])
-sharded = FAT5ForConditionalGeneration(config)
-whole = FAT5ForConditionalGeneration(config)
-whole.load_state_dict(sharded.state_dict())
-inputs = dict(input_ids=torch.randint(2, 64, (2, 16)), labels=torch.randint(2, 64, (2, 8)))
-whole(**inputs).loss.backward()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for module in sharded.modules():
-    if isinstance(module, FAT5Block):
-        fully_shard(module, mesh=mesh)
-fully_shard(sharded, mesh=mesh)
-loss = sharded(**inputs).loss
-loss.backward()
-# elementwise, with an absolute floor: some gradients vanish analytically (a bias constant over the keys moves no
-# softmax) and are float32 noise of 1e-7 on both sides
-differing = [
-    name for (name, parameter), reference in zip(sharded.named_parameters(), whole.parameters())
-    if not torch.allclose(parameter.grad.full_tensor(), reference.grad, rtol=1e-4, atol=1e-6)
-]
-if dist.get_rank() == 0:
-    print("RESULT", loss.item(), whole(**inputs).loss.item(), ",".join(differing) or "-")
+for position_encoding in sys.argv[1:]:
+    torch.manual_seed(0)
+    config = FAT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, dropout_rate=0.0,
+                        feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+                        position_encoding=position_encoding)
+    sharded = FAT5ForConditionalGeneration(config)
+    whole = FAT5ForConditionalGeneration(config)
+    whole.load_state_dict(sharded.state_dict())
+    inputs = dict(input_ids=torch.randint(2, 64, (2, 16)), labels=torch.randint(2, 64, (2, 8)))
+    whole(**inputs).loss.backward()
+    for module in sharded.modules():
+        if isinstance(module, FAT5Block):
+            fully_shard(module, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    loss = sharded(**inputs).loss
+    loss.backward()
+    # elementwise, with an absolute floor: some gradients vanish analytically (a bias constant over the keys moves no
+    # softmax) and are float32 noise of 1e-7 on both sides
+    differing = [
+        name for (name, parameter), reference in zip(sharded.named_parameters(), whole.parameters())
+        if not torch.allclose(parameter.grad.full_tensor(), reference.grad, rtol=1e-4, atol=1e-6)
+    ]
+    if dist.get_rank() == 0:
+        print("RESULT", position_encoding, loss.item(), whole(**inputs).loss.item(), ",".join(differing) or "-")
 # both ranks tear gloo down together: one rank destroying its group while the other still runs aborted it once
 dist.barrier()
 dist.destroy_process_group()
 """
+FSDP_POSITION_ENCODINGS = ["t5", "fire"]
 
 
-@pytest.mark.parametrize("position_encoding", ["t5", "fire"])
-def test_fsdp_per_block_gives_the_unsharded_loss_and_gradients(position_encoding, tmp_path):
-    """The later blocks read the first block's position encoding (T5's table, FIRE's bias): under FSDP, with one unit
-    per block, it must reach them as a tensor, since the first block's parameters are sharded again after it ran."""
-    worker = tmp_path / "fsdp_worker.py"
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory) -> dict[str, list[str]]:
+    """(sharded loss, unsharded loss, the parameters whose gradients differ) for each position encoding, from one
+    launch of two processes (each launch starts three, which import torch)."""
+    worker = tmp_path_factory.mktemp("fsdp") / "fsdp_worker.py"
     worker.write_text(FSDP_WORKER)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(worker), position_encoding]
+               str(_free_port()), str(worker), *FSDP_POSITION_ENCODINGS]
     environment = dict(os.environ, OMP_NUM_THREADS="1")
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment, check=False)
     assert completed.returncode == 0, completed.stderr[-4000:]
-    result = next(line for line in completed.stdout.splitlines() if line.startswith("RESULT"))
-    sharded_loss, whole_loss, differing_gradients = result.split()[1:]
+    results = [line.split()[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT")]
+    return {position_encoding: rest for position_encoding, *rest in results}
+
+
+@pytest.mark.parametrize("position_encoding", FSDP_POSITION_ENCODINGS)
+def test_fsdp_per_block_gives_the_unsharded_loss_and_gradients(position_encoding, fsdp_results):
+    """The later blocks read the first block's position encoding (T5's table, FIRE's bias): under FSDP, with one unit
+    per block, it must reach them as a tensor, since the first block's parameters are sharded again after it ran."""
+    sharded_loss, whole_loss, differing_gradients = fsdp_results[position_encoding]
     assert float(sharded_loss) == pytest.approx(float(whole_loss), rel=1e-5)
     assert differing_gradients == "-"
 

@@ -35,8 +35,6 @@ from fat5.trainer.metrics import (
 )
 from fat5_command import build_parser
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def relu_model(tmp_path_factory) -> Path:

@@ -11,8 +11,6 @@ import torch
 from helpers import TINY, hf_and_fat5, padded_batch, relative_error
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 STATIC = {"cache_implementation": "static"}
 SCORED = {"output_scores": True, "return_dict_in_generate": True}
 

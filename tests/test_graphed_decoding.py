@@ -17,8 +17,6 @@ from transformers.generation import GenerateBeamEncoderDecoderOutput, GenerateEn
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.graphed_decoding import cache_length_bucket, encoder_length_bucket, graphed_decoding_state
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _graphed(model):
     model.config.graphed_decoding = "always"

@@ -120,7 +120,7 @@ else:
     raise SystemExit("fat5 could be imported")
 import torch, transformers
 
-folder, batch_file, out_file = sys.argv[1:4]
+folder, batch_file, out_file, resaved = sys.argv[1:5]
 batch = torch.load(batch_file)
 seq2seq = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
 base = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
@@ -137,17 +137,31 @@ with torch.no_grad():
     seq2seq.config.graphed_decoding = "always"  # the graphed loop's step, run eagerly on the CPU
     results["graphed"] = seq2seq.generate(**prompt, do_sample=False)
     results["graphed_uses"] = seq2seq.__dict__["_graphed_decoding_state"].graph_uses
+# the model the remote code loads saves a folder that loads in turn
+transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).save_pretrained(resaved)
+resaved_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(resaved, trust_remote_code=True)
+results["resaved_module"] = type(resaved_model).__module__
 torch.save(results, out_file)
 """
 
 
-def test_bundle_loads_without_fat5(bundled, tmp_path):
+@pytest.fixture(scope="module")
+def outside_fat5(bundled, tmp_path_factory):
+    """What LOAD_WITHOUT_FAT5 gives for the bundle, and its batch: one fresh process, which imports torch and
+    transformers once for the tests that read it."""
     out, _ = bundled
+    scratch = tmp_path_factory.mktemp("outside-fat5")
     batch = padded_seq2seq_batch(TINY["vocab_size"], seed=5)
-    torch.save(batch, tmp_path / "batch.pt")
-    completed = run_isolated(LOAD_WITHOUT_FAT5, out, tmp_path / "batch.pt", tmp_path / "out.pt", tmp=tmp_path)
+    torch.save(batch, scratch / "batch.pt")
+    completed = run_isolated(LOAD_WITHOUT_FAT5, out, scratch / "batch.pt", scratch / "out.pt",
+                             scratch / "remote-saved", tmp=scratch)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    remote = torch.load(tmp_path / "out.pt")
+    return torch.load(scratch / "out.pt"), batch
+
+
+def test_bundle_loads_without_fat5(bundled, outside_fat5):
+    out, _ = bundled
+    remote, batch = outside_fat5
     assert all(module.startswith("transformers_modules.") for module in remote["modules"])
     assert remote["fat5_loaded"] == []
 
@@ -196,19 +210,7 @@ def test_flat_code_passes_check_imports_without_triton(bundled, tmp_path):
     assert "ok FAT5ForConditionalGeneration" in completed.stdout
 
 
-RESAVE_WITHOUT_FAT5 = r"""
-import sys
-sys.modules["fat5"] = None  # `import fat5` fails: only the folder's remote code can run
-import transformers
-
-folder, saved = sys.argv[1:3]
-transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).save_pretrained(saved)
-model = transformers.AutoModelForSeq2SeqLM.from_pretrained(saved, trust_remote_code=True)
-print("ok", type(model).__module__)
-"""
-
-
-def test_a_model_loaded_from_a_bundle_saves_a_folder_that_loads(bundled, tmp_path):
+def test_a_model_loaded_from_a_bundle_saves_a_folder_that_loads(bundled, outside_fat5, tmp_path):
     """A saved FAT5 folder carries its remote code with its auto_map (issue 41), whether the package's classes or
     the bundle's own, run as remote code, saved it."""
     from transformers import AutoModelForSeq2SeqLM
@@ -220,9 +222,8 @@ def test_a_model_loaded_from_a_bundle_saves_a_folder_that_loads(bundled, tmp_pat
     assert {p.name for p in out.glob("*.py")} == {p.name for p in (tmp_path / "saved").glob("*.py")}
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "saved", trust_remote_code=True)
     assert isinstance(reloaded, FAT5ForConditionalGeneration)
-    completed = run_isolated(RESAVE_WITHOUT_FAT5, out, tmp_path / "remote-saved", tmp=tmp_path)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "ok transformers_modules." in completed.stdout
+    remote, _ = outside_fat5
+    assert remote["resaved_module"].startswith("transformers_modules.")
 
 
 def test_sharded_bundle(converted_dir, tmp_path):

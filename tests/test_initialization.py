@@ -26,8 +26,6 @@ from fat5 import (
     FAT5ForTokenClassification,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # large enough tensors for a standard deviation within a few percent, small enough to draw in milliseconds
 WIDE = {"vocab_size": 2048, "d_model": 64, "d_kv": 16, "d_ff": 256, "num_layers": 2, "num_heads": 4,
         "relative_attention_num_buckets": 32, "decoder_start_token_id": 0}

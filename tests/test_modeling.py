@@ -225,7 +225,8 @@ def test_packed_batches_of_any_layout_give_each_example_its_own_logits(rows, see
 @pytest.mark.parametrize("d_kv", [16, 8])  # 8: below the kernels' smallest head dim, their output is padded
 def test_packed_batch_through_the_triton_kernels_matches_the_reference(d_kv):
     """Empty example slots, rows without padding, a row of padding only, and decoder padding facing no encoder
-    padding: the varlen kernels (interpreter, fp32) give the reference's loss and gradients."""
+    padding: the varlen kernels (interpreter, fp32) give the reference's loss and gradients. One layer per stack:
+    a second would run the same kernels on the same layout."""
     rows = [[(5, 3), (4, 2)], [(6, 5)], [], [(9, 2)]]
     input_ids, segment_ids, decoder_input_ids, decoder_segment_ids, _ = packed_batch(
         rows, 9, 5, torch.Generator().manual_seed(0)
@@ -234,7 +235,8 @@ def test_packed_batch_through_the_triton_kernels_matches_the_reference(d_kv):
     results = {}
     for backend in ("reference", "triton"):
         torch.manual_seed(0)
-        config = FAT5Config(**dict(TINY, d_kv=d_kv, num_heads=2), attention_backend=backend)
+        config = FAT5Config(**dict(TINY, d_kv=d_kv, num_heads=2, num_layers=1, num_decoder_layers=1),
+                            attention_backend=backend)
         model = FAT5ForConditionalGeneration(config).train()
         loss = model(input_ids=input_ids, segment_ids=segment_ids, decoder_input_ids=decoder_input_ids,
                      decoder_segment_ids=decoder_segment_ids, labels=labels).loss

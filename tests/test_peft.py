@@ -7,8 +7,6 @@ import torch
 from helpers import fat5_from_hf, make_hf, padded_batch
 from peft import IA3Config, LoraConfig, PrefixTuningConfig, get_peft_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.mark.parametrize("peft_config", [LoraConfig(task_type="SEQ_2_SEQ_LM"), IA3Config(task_type="SEQ_2_SEQ_LM")],
                          ids=["lora", "ia3"])

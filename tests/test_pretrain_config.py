@@ -2,8 +2,6 @@
 bad input refused before any work, and batches of one shape per step on every process."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -105,13 +103,16 @@ def test_an_unwritable_compile_cache_is_named_before_any_work(tmp_path, monkeypa
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_bad_input_is_one_line_and_a_failing_exit(tmp_path):
+def test_cli_bad_input_is_one_line_and_a_failing_exit(tmp_path, capsys):
+    """The command's entry, in this process (test_cli.py runs the installed script): an exception it let through
+    would fail the test here as a traceback would there."""
+    from fat5.cli import main
+
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(small(training={"output_dir": "x"})))
-    completed = subprocess.run([sys.executable, "-m", "fat5.cli", "pretrain", str(config), "--output-dir",
-                                str(tmp_path / "out")], capture_output=True, text=True, timeout=300, check=False)
-    assert completed.returncode != 0 and "Traceback" not in completed.stderr
-    assert "unknown key training.output_dir" in completed.stderr
+    assert main(["pretrain", str(config), "--output-dir", str(tmp_path / "out")]) != 0
+    [line] = capsys.readouterr().err.splitlines()
+    assert "unknown key training.output_dir" in line
     assert not (tmp_path / "out").exists()
 
 

@@ -152,11 +152,12 @@ def test_the_bundles_model_card_runs_as_written_without_a_prompt(tiny_model, tmp
         "assert plain('To be, or not')['input_ids'] == auto('To be, or not')['input_ids']\n"
         "assert 'fat5' not in sys.modules\n"
     )
-    # a folder with nothing but the bundle beside the program: fat5 cannot be imported there
+    # a folder with nothing but the bundle beside the program: fat5 cannot be imported there. The card's code and the
+    # tokenizer check run in one process, which imports torch and transformers once
     environment = {key: value for key, value in READER_ENVIRONMENT.items() if key != "PYTHONPATH"}
-    for program in (code, plain_tokenizer):
-        completed = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                   capture_output=True, text=True, timeout=600, check=False, env=environment)
-        output = completed.stdout + completed.stderr
-        assert completed.returncode == 0, output[-3000:]
-        assert "Do you wish to run the custom code" not in output and "to instantiate a model of type" not in output
+    completed = subprocess.run([sys.executable, "-c", code + "\n" + plain_tokenizer], cwd=tmp_path,
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, check=False,
+                               env=environment)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "Do you wish to run the custom code" not in output and "to instantiate a model of type" not in output

@@ -21,8 +21,6 @@ from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration, T
 import fat5
 from fat5 import FAT5Config, FAT5ForConditionalGeneration, FAT5ForQuestionAnswering, FAT5ForSequenceClassification
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # every model class fat5 exports: one added later is checked without being listed here
 ALL_CLASSES = [
     value for value in map(vars(fat5).get, fat5.__all__)

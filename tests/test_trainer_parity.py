@@ -33,9 +33,6 @@ SGD_STEP = {"max_steps": 1, "learning_rate": 1.0, "optim": "sgd", "lr_scheduler_
             "weight_decay": 0.0, "max_grad_norm": 0.0}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
