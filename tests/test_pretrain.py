@@ -34,6 +34,10 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     logged = [entry for entry in summary["log_history"] if "tokens_per_second" in entry]
     assert logged and all(0.0 <= entry["padding_fraction"] < 0.1 for entry in logged)
     assert all(entry["z_loss"] > 0 for entry in logged)
+    # the final weights are evaluated once: the Trainer's evaluation at the last step is the summary's
+    last_step_evaluations = [entry for entry in summary["log_history"]
+                             if "eval_loss" in entry and entry["step"] == summary["steps"]]
+    assert [entry["eval_loss"] for entry in last_step_evaluations] == [summary["eval_loss"]]
 
     model = AutoModelForSeq2SeqLM.from_pretrained(output).eval()
     tokenizer = AutoTokenizer.from_pretrained(output)

@@ -140,6 +140,13 @@ def cache_file_outside_user_data(dataset, step: str, *identity) -> str | None:
     return str(cache_root / "fat5-derived" / f"{step}-{name}.arrow")
 
 
+def map_processes(num_proc: int | None) -> int | None:
+    """``num_proc`` for ``datasets.Dataset.map``: None (the calling process) for one process, since datasets 5 runs
+    ``num_proc=1`` in a pool of one child, which is sent the tokenizer and the function pickled (half a second of a
+    CPU quick start's tokenizing, for nothing)."""
+    return num_proc if num_proc is not None and num_proc > 1 else None
+
+
 def tokenize_dataset(
     dataset,
     tokenizer,
@@ -180,7 +187,7 @@ def tokenize_dataset(
         encode,
         batched=True,
         batch_size=batch_size,
-        num_proc=num_proc,
+        num_proc=map_processes(num_proc),
         remove_columns=remove,
         features=features,
         desc="Tokenizing",

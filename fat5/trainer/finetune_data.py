@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import FAT5Error
-from .data import cache_file_outside_user_data
+from .data import cache_file_outside_user_data, map_processes
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
@@ -188,7 +188,7 @@ def tokenize_datasets(raw, tokenizer, task: str, data: dict, label_ids: dict | N
         lambda batch: preprocess(batch, tokenizer, data, label_ids),
         batched=True,
         remove_columns=raw["train"].column_names,
-        num_proc=data["preprocessing_num_workers"],
+        num_proc=map_processes(data["preprocessing_num_workers"]),
         desc="tokenizing",
         cache_file_names=cache_files,
     )
