@@ -1,4 +1,6 @@
+import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -25,9 +27,31 @@ from helpers import ROWS, run_quick_start  # after the choice above: helpers imp
 @pytest.fixture(scope="session")
 def quick_start_run(tmp_path_factory):
     """The README's quick-start job (the built-in default pretraining), run once for the tests of the job and of the
-    README: a folder laid out as the repository root where it ran, and that run. Its tests only read the model."""
-    folder = tmp_path_factory.mktemp("reader")
-    return folder, run_quick_start(folder)
+    README: a folder laid out as the repository root where it ran, and that run. Its tests only read the model.
+
+    Once for the whole run, whichever pytest-xdist worker asks first (the job is the suite's longest setup, minutes on
+    a CPU): the others wait for it and read its record from the folder the workers share."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    folder, record = shared / "reader", shared / "reader.json"
+    with FileLock(shared / "reader.lock"):
+        if not record.is_file():
+            folder.mkdir()
+            try:
+                completed = run_quick_start(folder)
+            except AssertionError as failure:
+                # said to every test that asks, not run again into the folder it left
+                record.write_text(json.dumps({"failure": str(failure)}))
+                raise
+            record.write_text(json.dumps({"args": completed.args, "returncode": completed.returncode,
+                                          "stdout": completed.stdout, "stderr": completed.stderr}))
+    saved = json.loads(record.read_text())
+    if "failure" in saved:
+        pytest.fail(saved["failure"])
+    return folder, subprocess.CompletedProcess(**saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

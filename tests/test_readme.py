@@ -120,7 +120,8 @@ def test_every_extra_is_used():
     tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     tools = {"ruff": "a command, not a module", "tensorboard": "transformers' report_to: tensorboard",
-             "parameterized": "imported by transformers' own common tests (test_transformers_mixins.py)"}
+             "parameterized": "imported by transformers' own common tests (test_transformers_mixins.py)",
+             "pytest-xdist": "a pytest plugin, run by pyproject.toml's addopts (-n 2)"}
     sources = "\n".join(path.read_text(encoding="utf-8") for folder in ("fat5", "benchmarks", "tests", "examples")
                         for path in (REPO / folder).rglob("*.py"))
     for extra, requirements in extras.items():
