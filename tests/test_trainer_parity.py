@@ -238,6 +238,25 @@ def test_early_stopping_best_model_and_logs_match_seq2seq_trainers(tiny_model, t
         :len(written)]]
 
 
+@pytest.mark.parametrize("best_at_end", [False, True], ids=["last weights", "best weights loaded at the end"])
+def test_the_final_weights_are_evaluated_once_and_as_evaluate_would(best_at_end, tiny_model, tokenizer, examples,
+                                                                    tmp_path):
+    """The Trainer's evaluation at the last step stands for the final weights' (no second pass over the evaluation
+    data, generation included for a finetuning job); weights replaced at the end are evaluated anew."""
+    settings = {"max_steps": 4, "learning_rate": 5e-2, "eval_strategy": "steps", "eval_steps": 2,
+                "save_strategy": "steps", "save_steps": 2, "load_best_model_at_end": best_at_end,
+                "metric_for_best_model": "eval_loss", "greater_is_better": False}
+    trainer = build_trainer(FAT5Trainer, load(tiny_model), tokenizer, tmp_path, examples[:8], examples[8:],
+                            **settings)
+    trainer.train()
+    evaluations_before = sum("eval_loss" in entry for entry in trainer.state.log_history)
+    final = trainer.evaluate_final_weights()
+    evaluations_made = sum("eval_loss" in entry for entry in trainer.state.log_history) - evaluations_before
+    assert evaluations_made == (1 if best_at_end else 0)
+    assert "step" not in final
+    assert final["eval_loss"] == pytest.approx(trainer.evaluate()["eval_loss"], rel=1e-6)
+
+
 def test_logged_figures_reach_tensorboard(tiny_model, tokenizer, examples, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

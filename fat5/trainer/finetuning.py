@@ -96,7 +96,7 @@ def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
     require_full_state_dict(trainer)
     checkpoint = find_resume_checkpoint(output_dir, announce=trainer.is_world_process_zero()) if resume else None
     train_result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    eval_metrics = trainer.evaluate() if setup.eval_dataset is not None else None
+    eval_metrics = trainer.evaluate_final_weights() if setup.eval_dataset is not None else None
     result = {"output_dir": str(output_dir), **_save_models(setup, output_dir), "train": dict(train_result.metrics),
               "eval": eval_metrics, "log_history": list(trainer.state.log_history)}
     if trainer.is_world_process_zero():

@@ -521,7 +521,7 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
 
     require_full_state_dict(trainer)
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    metrics = _final_evaluation(trainer)
+    metrics = trainer.evaluate_final_weights() if trainer.eval_dataset is not None else {}
     _save_verified(trainer, tokenizer, output_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     resumed_from = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] if checkpoint else 0
@@ -545,17 +545,6 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
     # no process returns before the model and summary are in place
     trainer.accelerator.wait_for_everyone()
     return summary
-
-
-def _final_evaluation(trainer) -> dict:
-    """The final weights' evaluation: the one the Trainer made at the last step when its ``eval_steps`` fell there
-    (the built-in job's do: evaluating again took 6 of a CPU run's last seconds), else a new one."""
-    if trainer.eval_dataset is None:
-        return {}
-    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
-    if evaluations and evaluations[-1]["step"] == trainer.state.global_step:
-        return evaluations[-1]
-    return trainer.evaluate()
 
 
 def _save_verified(trainer, tokenizer, final: Path) -> None:

@@ -429,6 +429,17 @@ class FAT5Trainer(Seq2SeqTrainer):
             stack.callback(setattr, config, "label_smoothing", own_smoothing)
         return stack
 
+    def evaluate_final_weights(self) -> dict:
+        """``evaluate()``'s metrics for the weights training ended with, without evaluating them twice: the Trainer's
+        own evaluation at the last step, when it made one there (the built-in pretraining job's did; a finetuning job
+        that evaluates each epoch does, generation included), else a new one. Weights that training replaced at its
+        end (``load_best_model_at_end``) are always evaluated anew."""
+        if not self.args.load_best_model_at_end:
+            evaluations = [entry for entry in self.state.log_history if "eval_loss" in entry]
+            if evaluations and evaluations[-1]["step"] == self.state.global_step:
+                return {key: value for key, value in evaluations[-1].items() if key != "step"}
+        return self.evaluate()
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         # After each generate, Seq2SeqTrainer fills every unset field of the model's generation config with
         # transformers' defaults (max_length 20, top_k 50, ...). Saved with the model, an explicit max_length 20
