@@ -37,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +59,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 # the lines of the job's output kept as what it said of its path (before its first training log)
 JOB_SAID_LINES = 20
+WARNING_LINES = 40
 # a run: its accelerate config (None: one plain process) and the changes to that config's fsdp_config
 STRATEGIES = {
     "ddp": ("ddp", {}),
@@ -130,17 +132,24 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         environment["OMP_NUM_THREADS"] = "1"
     print(f"[{name}] {processes} process(es), {strategy or 'no accelerate config'}", flush=True)
     started = time.perf_counter()
+    # a session of its own: a run that times out is ended with every process it started (accelerate's launcher,
+    # torchrun, the ranks, their data workers); killing the launcher alone left the ranks training beside the next run
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                           cwd=work, start_new_session=True)
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=work, check=False,
-                                   timeout=args.run_timeout)
+        stdout, stderr = job.communicate(timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.run_timeout} s", "processes": processes}
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        print(f"[{name}] timed out after {args.run_timeout} s:\n{stderr[-3000:]}", flush=True)
+        return {"error": f"timed out after {args.run_timeout} s", "processes": processes,
+                "log_tail": (stderr or stdout)[-3000:]}
     elapsed = time.perf_counter() - started
     summary_file = output / "pretrain_summary.json"
-    if completed.returncode != 0 or not summary_file.is_file():
-        tail = (completed.stderr or completed.stdout)[-3000:]
-        print(f"[{name}] failed (exit {completed.returncode}) after {elapsed:.0f} s:\n{tail}", flush=True)
-        return {"error": tail, "exit_status": completed.returncode, "processes": processes}
+    if job.returncode != 0 or not summary_file.is_file():
+        tail = (stderr or stdout)[-3000:]
+        print(f"[{name}] failed (exit {job.returncode}) after {elapsed:.0f} s:\n{tail}", flush=True)
+        return {"error": tail, "exit_status": job.returncode, "processes": processes}
     logs = [entry for entry in json.loads(summary_file.read_text())["log_history"] if "tokens_per_second" in entry]
     steady = [entry for entry in logs if entry["step"] > args.skip_steps] or logs
     tokens_per_second = sum(entry["tokens_per_second"] for entry in steady) / len(steady)
@@ -157,8 +166,16 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         "tokens_per_second": round(tokens_per_second, 1),
         "tokens_per_second_per_gpu": round(tokens_per_second / processes, 1),
         "vocab_size": json.loads((output / "config.json").read_text())["vocab_size"],
-        "job_said": job_said(completed.stdout),
+        "job_said": job_said(stdout),
+        # the job's warnings (a shape that recompiled, a graph that could not be captured) say why a run is slow
+        "warnings": warning_lines(stderr),
     }
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """The distinct warning lines the job printed (each rank prints its own), at most ``WARNING_LINES``."""
+    found = [line.strip() for line in stderr.splitlines() if "warn" in line.lower()]
+    return list(dict.fromkeys(found))[:WARNING_LINES]
 
 
 def job_said(stdout: str) -> list[str]:

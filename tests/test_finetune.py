@@ -493,6 +493,24 @@ def test_training_steps_do_not_read_the_loss_back_unless_asked(tmp_path, monkeyp
         assert tested.count(0) == expected_tests, (asked, tested)
 
 
+def test_ddp_is_not_asked_to_search_for_unused_parameters_unless_the_config_says(tmp_path):
+    """transformers asks DDP to search the autograd graph for unused parameters after every forward when the model
+    has no activation checkpointing; every FAT5 parameter takes part in every step, so FAT5's arguments switch the
+    search off (tests/test_distributed.py trains both jobs on two processes with it off) unless a config asks."""
+    from transformers import Seq2SeqTrainer
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+    from fat5.trainer.trainer import FAT5TrainingArguments
+
+    model = FAT5ForConditionalGeneration(FAT5Config(**TINY))
+    for asked, expected in ((None, False), (True, True)):
+        extra = {} if asked is None else {"ddp_find_unused_parameters": asked}
+        arguments = FAT5TrainingArguments(output_dir=str(tmp_path / str(asked)), report_to="none", use_cpu=True,
+                                          **extra)
+        handler = Seq2SeqTrainer(model=model, args=arguments).accelerator.ddp_handler
+        assert handler.find_unused_parameters is expected, asked
+
+
 def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
     """``training: {torch_compile_regional: true}``: the Trainer trains a model whose blocks are compiled one by one
     (the model itself is not), the step is the eager one, and the saved model is the plain one."""

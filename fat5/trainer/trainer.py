@@ -49,11 +49,20 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
             so the host cannot queue the next step while the GPU runs this one (benchmarks/README.md, UL2
             pretraining, measures what it costs). Off, a NaN or inf loss reaches the logged mean, where it shows,
             instead of being replaced by the average of the earlier ones.
+        ddp_find_unused_parameters: False by default here (transformers: True for a model without activation
+            checkpointing). Every parameter of a FAT5 model that requires a gradient takes part in every step, so
+            DDP's search for unused ones after each forward (a walk of the autograd graph) is pure cost; a model
+            that does leave one unused fails at its second step with DDP's error naming the parameter, never
+            silently. Set it true for such a model.
     """
 
     logging_nan_inf_filter: bool = field(
         default=False,
         metadata={"help": "Replace NaN/inf step losses in the logged mean (reads every step's loss on the host)."},
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "Let DDP search for parameters that take no part in a step (every FAT5 parameter does)."},
     )
     torch_compile_regional: bool = field(
         default=False,
