@@ -1,0 +1,40 @@
+"""benchmarks/quick_start.py's pieces that decide its figures: lines time-stamped as they arrive (progress-bar redraws
+split at carriage returns), cold runs kept away from caches outside their fresh HOME, and the import's slowest
+packages read from ``-X importtime``."""
+
+import sys
+
+import pytest
+from helpers import benchmark_module
+
+
+@pytest.fixture(scope="module")
+def quick_start():
+    return benchmark_module("quick_start")
+
+
+def test_each_line_is_stamped_when_it_arrives(quick_start, tmp_path):
+    program = ("import sys, time\nprint('first', flush=True)\ntime.sleep(0.6)\n"
+               "sys.stderr.write('bar 50%|\\rbar 100%|\\n'); sys.stderr.flush()\ntime.sleep(0.6)\nprint('last')\n")
+    lines, status, wall = quick_start.timed_lines([sys.executable, "-c", program], None, tmp_path, timeout=60)
+    assert status == 0
+    assert [text for _, text in lines] == ["first", "bar 50%|", "bar 100%|", "last"]
+    stamps = [stamp for stamp, _ in lines]
+    assert stamps[1] - stamps[0] >= 0.5 and stamps[3] - stamps[2] >= 0.5 and stamps[3] <= wall
+
+
+def test_a_cold_run_sees_only_its_own_home(quick_start, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/elsewhere")
+    environment = quick_start.job_environment(tmp_path)
+    assert environment["HOME"] == str(tmp_path)
+    assert not set(quick_start.CACHE_VARIABLES) & set(environment)
+
+
+def test_the_slowest_imports_are_counted_by_package(quick_start, tmp_path, monkeypatch):
+    # json's submodules are imported inside its first import: one figure for the package, at least theirs
+    monkeypatch.setattr(quick_start, "IMPORTED_BY_THE_JOB", "import json")
+    imports = quick_start.import_seconds(tmp_path)
+    assert "json" in imports["slowest_seconds"]
+    assert not [name for name in imports["slowest_seconds"] if "." in name]
+    assert imports["wall_seconds"] >= max(imports["slowest_seconds"].values())
