@@ -42,11 +42,12 @@ def check_against_reference(run, inputs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "causal, query_length, key_length",
-    [(False, 1531, 1531), (False, 256, 1024), (False, 1, 777), (True, 2048, 2048), (True, 777, 2100), (True, 1, 900)],
+    [(False, 1531, 1531), (False, 256, 1024), (False, 128, 777), (True, 2048, 2048), (True, 777, 2100),
+     (True, 128, 900)],
 )
 def test_padded_rows_against_the_fp32_reference(dtype, causal, query_length, key_length):
-    """Self-attention, cross-attention (fewer queries than keys) and decoding's prefill and first steps: a causal
-    query block sits at the end of the keys (query_offset = key_length - query_length, FA4's diagonal)."""
+    """Self-attention, cross-attention (fewer queries than keys) and a prefill after cached keys: a causal query
+    block sits at the end of the keys (query_offset = key_length - query_length, FA4's diagonal)."""
     torch.manual_seed(0)
     batch, heads, head_dim = 2, 4, 64
     std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
@@ -73,8 +74,8 @@ def test_packed_rows_against_the_fp32_reference(causal):
     total = sum(lengths)
     query, key = leaf(total, heads, head_dim, std=0.35), leaf(total, heads, head_dim, std=0.35)
     value = leaf(total, heads, head_dim)
-    assert attention_kernel("auto", query, packed_problem(query, cu_seqlens, cu_seqlens, "none", causal, 0,
-                                                          0.0)) == "fa4"
+    problem = packed_problem(query, cu_seqlens, cu_seqlens, max(lengths), "none", causal, 0, 0.0)
+    assert attention_kernel("auto", query, problem) == "fa4"
 
     def run(backend, q, k, v):
         return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
@@ -102,13 +103,15 @@ def test_packed_cross_attention_with_an_empty_key_segment_gives_zeros():
     assert not out[300:340].any()
 
 
-def test_a_bias_or_an_unaligned_causal_problem_stays_on_triton():
-    query = torch.zeros(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
+def test_a_bias_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton():
+    query = torch.zeros(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     table = torch.zeros(32, 2, device="cuda")
     assert attention_kernel("auto", query, padded_problem(query, query, PositionBias.t5(table).kind, False, None, 0,
                                                           0.0)) == "triton"
-    key = torch.zeros(1, 2, 32, 64, device="cuda", dtype=torch.bfloat16)
+    key = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     assert attention_kernel("auto", query, padded_problem(query, key, "none", True, None, 0, 0.0)) == "triton"
+    step = query[:, :, :1]
+    assert attention_kernel("auto", step, padded_problem(step, key, "none", True, None, 255, 0.0)) == "triton"
 
 
 def test_torch_compile_fullgraph_with_inductor():

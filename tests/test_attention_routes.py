@@ -26,7 +26,7 @@ from fat5.kernels.routes import (
 from fat5.token_layout import TokenLayout
 
 HOPPER = (9, 0)
-FA4_PROBLEM = AttentionProblem(HOPPER, torch.bfloat16, 64, "none", "none", False, False)
+FA4_PROBLEM = AttentionProblem(HOPPER, torch.bfloat16, 64, "none", "none", False, False, 1024)
 
 
 def every_kernel(kernel):
@@ -46,7 +46,7 @@ def problem_of(route) -> AttentionProblem:
     return AttentionProblem(
         first_value(route.capabilities, HOPPER), first_value(route.dtypes, torch.bfloat16),
         first_value(route.head_dims, 64), first_value(route.positions, "t5"), first_value(route.maskings, "none"),
-        first_value(route.packed, False), False,
+        first_value(route.packed, False), False, max(route.min_queries, 1),
     )
 
 
@@ -72,7 +72,7 @@ def test_the_last_row_covers_every_problem():
             for packed in (False, True):
                 if packed and masking == "key_padding":
                     continue
-                problem = AttentionProblem(None, torch.float32, 8, position, masking, packed, True)
+                problem = AttentionProblem(None, torch.float32, 8, position, masking, packed, True, 1)
                 assert last.covers(problem)
 
 
@@ -94,7 +94,7 @@ def test_fa4_serves_the_bias_free_hopper_problems():
     {"capability": None}, {"capability": (8, 0)}, {"capability": (8, 9)}, {"capability": (10, 0)},
     {"capability": (12, 0)}, {"position": "t5"}, {"position": "alibi"}, {"position": "bias"},
     {"dtype": torch.float32}, {"head_dim": 32}, {"head_dim": 128}, {"head_dim": 80}, {"masking": "causal_offset"},
-    {"masking": "key_padding"}, {"dropout": True},
+    {"masking": "key_padding"}, {"dropout": True}, {"queries": 1}, {"queries": 127},
 ])
 def test_fa4_never_serves_what_it_cannot_compute_or_was_not_measured_on(change):
     problem = dataclasses.replace(FA4_PROBLEM, **change)
@@ -151,17 +151,19 @@ def test_padded_masking():
     assert padded_problem(query, key, "none", True, None, torch.tensor(2), 0.0).masking == "causal_offset"
     assert padded_problem(query, key, "none", True, mask, 2, 0.0).masking == "key_padding"
     assert padded_problem(query, key, "t5", False, None, 0, 0.1).dropout
+    assert padded_problem(query, key, "none", False, None, 0, 0.0).queries == 3
 
 
 def test_packed_masking():
     query = torch.zeros(6, 4, 8)
     cu_seqlens = torch.tensor([0, 2, 6], dtype=torch.int32)
-    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), "none", False, 0, 0.0).masking == "none"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, "none", True, 0, 0.0).masking == "causal_aligned"
+    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, "none", False, 0, 0.0).masking == "none"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 0, 0.0).masking == "causal_aligned"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 0, 0.0).queries == 4
     # equal values in another tensor: telling them equal would read the device, so they count as unaligned
-    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), "none", True, 0, 0.0).masking == "causal_offset"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, "none", True, 1, 0.0).masking == "causal_offset"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, "none", True, torch.tensor(0), 0.0).masking == (
+    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, "none", True, 0, 0.0).masking == "causal_offset"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 1, 0.0).masking == "causal_offset"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, torch.tensor(0), 0.0).masking == (
         "causal_offset"
     )
 
@@ -261,7 +263,7 @@ def test_packed_rows_through_fa4s_arguments_attend_within_their_example(segment_
     scores = (dense[0] @ dense[1].transpose(-1, -2)).masked_fill(~same_example[:, None], float("-inf"))
     expected = (torch.softmax(scores, dim=-1) @ dense[2]).transpose(1, 2).reshape(batch * length, 2, 8)
 
-    assert packed_problem(query, cu_seqlens, cu_seqlens, "none", causal, 0, 0.0).masking in (
+    assert packed_problem(query, cu_seqlens, cu_seqlens, layout.max_seqlen, "none", causal, 0, 0.0).masking in (
         "none", "causal_aligned")
     through_fa4 = fa4_varlen_semantics(query, key, value, cu_seqlens, cu_seqlens, 1.0, causal)
     torch.testing.assert_close(through_fa4, expected)

@@ -5,7 +5,8 @@ ask :func:`attention_kernel` for ``"reference"`` (PyTorch), ``"triton"`` (FAT5's
 (flash-attn-4's CuTe DSL kernels, ``pip install "fat5[hopper]"``). The first enabled row of ``ATTENTION_ROUTES``
 whose kernel can run and that covers the problem serves it. FA4 serves only what it computes exactly as FAT5
 defines attention: no position bias in the kernel (T5's cross-attention; RoPE or no-position self-attention, whose
-rotation happens before the kernel) and masks it can express (see :data:`MASKINGS`).
+rotation happens before the kernel) and masks it can express (see :data:`MASKINGS`), on whole sequences, not on
+a decoding step's few queries.
 
 ``FAT5_ATTENTION_ROUTE=triton`` in the environment (read once, at import) keeps every problem on the Triton
 kernels, for A/B measurements of the same model; unset, the table decides.
@@ -34,7 +35,8 @@ ROUTE_ENVIRONMENT_VARIABLE = "FAT5_ATTENTION_ROUTE"
 @dataclass(frozen=True)
 class AttentionProblem:
     """What decides the kernel of one attention call. ``capability`` is the CUDA device's (major, minor), None for
-    CPU tensors; ``position`` a ``PositionBias.kind``; ``masking`` one of :data:`MASKINGS`."""
+    CPU tensors; ``position`` a ``PositionBias.kind``; ``masking`` one of :data:`MASKINGS`; ``queries`` the query
+    length of a row (padded) or its bound, ``max_seqlen_q`` (packed)."""
 
     capability: tuple[int, int] | None
     dtype: torch.dtype
@@ -43,6 +45,7 @@ class AttentionProblem:
     masking: str
     packed: bool
     dropout: bool
+    queries: int
 
     def __post_init__(self):
         if self.position not in POSITIONS:
@@ -56,7 +59,8 @@ class AttentionProblem:
 @dataclass(frozen=True)
 class AttentionRoute:
     """One row of the table: ``kernel`` serves every problem within its sets (None: any value). ``enabled`` False
-    keeps a row written but unused until it is measured; ``measurement`` says where its figures are."""
+    keeps a row written but unused until it is measured; ``measurement`` says where its figures are;
+    ``min_queries`` leaves shorter query blocks (a decoding step's) to the next row."""
 
     kernel: str
     measurement: str
@@ -67,6 +71,7 @@ class AttentionRoute:
     maskings: frozenset | None = None
     packed: frozenset | None = None
     dropout: bool = False
+    min_queries: int = 0
     enabled: bool = True
 
     def covers(self, problem: AttentionProblem) -> bool:
@@ -76,7 +81,7 @@ class AttentionRoute:
         )
         return all(values is None or value in values for values, value in wanted) and (
             self.dropout or not problem.dropout
-        )
+        ) and problem.queries >= self.min_queries
 
 
 _FA4_PROBLEMS = {
@@ -84,6 +89,9 @@ _FA4_PROBLEMS = {
     "dtypes": frozenset({torch.bfloat16, torch.float16}),
     "positions": frozenset({"none"}),
     "maskings": frozenset({"none", "causal_aligned"}),
+    # a decoding step (one query, or a few) keeps Triton's decode kernel, measured at 73-98% of the copy bandwidth
+    # (benchmarks/README.md); FA4 was measured on whole sequences, and 128 queries are one of its forward tiles
+    "min_queries": 128,
 }
 ATTENTION_ROUTES = (
     AttentionRoute(
@@ -178,10 +186,10 @@ def padded_problem(query, key, position_kind, causal, key_padding_mask, query_of
         aligned = not isinstance(query_offset, torch.Tensor) and query_offset == key.shape[2] - query.shape[2]
         masking = "causal_aligned" if aligned else "causal_offset"
     return AttentionProblem(_capability(query), query.dtype, query.shape[-1], position_kind, masking, False,
-                            dropout_p > 0.0)
+                            dropout_p > 0.0, query.shape[2])
 
 
-def packed_problem(query, cu_seqlens_q, cu_seqlens_k, position_kind, causal, query_offset,
+def packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_kind, causal, query_offset,
                    dropout_p) -> AttentionProblem:
     """The problem of ``attention_varlen``: (tokens, heads, head_dim) tensors. A causal problem is aligned only
     when queries and keys share one cu_seqlens tensor (every segment then as long in both, known without reading
@@ -192,4 +200,4 @@ def packed_problem(query, cu_seqlens_q, cu_seqlens_k, position_kind, causal, que
         aligned = cu_seqlens_q is cu_seqlens_k and not isinstance(query_offset, torch.Tensor) and query_offset == 0
         masking = "causal_aligned" if aligned else "causal_offset"
     return AttentionProblem(_capability(query), query.dtype, query.shape[-1], position_kind, masking, True,
-                            dropout_p > 0.0)
+                            dropout_p > 0.0, max_seqlen_q)
