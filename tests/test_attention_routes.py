@@ -3,6 +3,7 @@ packed rows cut into cu_seqlens as the segment ids say, and FA4's bottom-right c
 positions wherever the routes call a causal problem aligned."""
 
 import dataclasses
+import importlib.metadata
 
 import pytest
 import torch
@@ -112,6 +113,23 @@ def test_the_environment_forces_triton():
     assert forced_kernel_from({"FAT5_ATTENTION_ROUTE": " Triton "}) == "triton"
     with pytest.raises(ValueError, match="FAT5_ATTENTION_ROUTE must be 'triton' or 'auto'"):
         forced_kernel_from({"FAT5_ATTENTION_ROUTE": "fa4"})
+
+
+def test_only_flash_attn_4s_own_distribution_of_the_4_0_series_counts():
+    def installed(version):
+        def lookup(name):
+            assert name == "flash-attn-4"
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        return lookup
+
+    assert routes.fa4_unusable_reason(installed("4.0.0b36")) is None
+    assert routes.fa4_unusable_reason(installed("4.0.2")) is None
+    assert routes.fa4_unusable_reason(installed("4.1.0")) == (
+        "flash-attn-4 4.1.0 is installed; FAT5's adapter is written against its 4.0 releases"
+    )
+    assert routes.fa4_unusable_reason(installed(None)) == "flash-attn-4 is not installed (pip install 'fat5[hopper]')"
 
 
 def test_this_machine_has_no_fa4_route():

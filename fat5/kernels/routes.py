@@ -12,8 +12,9 @@ a decoding step's few queries.
 kernels, for A/B measurements of the same model; unset, the table decides.
 """
 
-import importlib.util
+import importlib.metadata
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from .dispatch import use_triton
 MASKINGS = ("none", "causal_aligned", "causal_offset", "key_padding")
 POSITIONS = ("none", "t5", "alibi", "bias")
 ROUTE_ENVIRONMENT_VARIABLE = "FAT5_ATTENTION_ROUTE"
+FA4_SERIES = (4, 0)  # pyproject.toml's hopper extra pins the same
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,18 @@ ATTENTION_ROUTES = (
 )
 
 
-def _fa4_unusable_reason() -> str | None:
+def fa4_unusable_reason(version=importlib.metadata.version) -> str | None:
+    """Why the FA4 route cannot serve here, or None. The installed distribution is asked, not the module: flash-attn
+    2 installs a ``flash_attn`` package too. Only the 4.0 series: the adapter calls its backward function, which is
+    not public."""
     try:
-        found = importlib.util.find_spec("flash_attn.cute") is not None
-    except ImportError:  # a flash_attn package that fails on import (a flash-attn 2 build for another torch)
-        found = False
-    return None if found else "flash-attn-4 is not installed (pip install 'fat5[hopper]')"
+        installed = version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return "flash-attn-4 is not installed (pip install 'fat5[hopper]')"
+    if tuple(int(part) for part in re.findall(r"\d+", installed)[:2]) != FA4_SERIES:
+        series = ".".join(map(str, FA4_SERIES))
+        return f"flash-attn-4 {installed} is installed; FAT5's adapter is written against its {series} releases"
+    return None
 
 
 def forced_kernel_from(environment) -> str | None:
@@ -135,8 +143,8 @@ def forced_kernel_from(environment) -> str | None:
 
 
 # Settled once at import, as dispatch's TRITON_UNUSABLE_REASON: the choice runs inside torch.compile'd code. Only the
-# package's presence is checked (importing the CuTe DSL takes seconds); the adapter imports it on the first FA4 call.
-FA4_UNUSABLE_REASON = _fa4_unusable_reason()
+# package's metadata is read (importing the CuTe DSL takes seconds); the adapter imports it on the first FA4 call.
+FA4_UNUSABLE_REASON = fa4_unusable_reason()
 FORCED_KERNEL = forced_kernel_from(os.environ)
 
 
