@@ -361,6 +361,15 @@ def test_the_adapter_hands_fa4_its_layout_and_t5s_scale(monkeypatch):
     assert (max_q, max_k, causal) == (4, 4, False)
 
 
+def test_without_flash_attn_4_the_adapter_says_what_to_install():
+    from fat5.kernels.attention_fa4 import fa4_attention
+
+    query = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
+    expected = r"the FA4 attention route needs flash-attn-4 \(pip install 'fat5\[hopper\]'\)"
+    with pytest.raises(RuntimeError, match=expected):
+        fa4_attention(query, query, query, scale=1.0, causal=False)
+
+
 def test_the_custom_ops_fake_shapes_are_fa4s():
     """What torch.compile traces: FA4's output layout and its log-sum-exp, (batch, heads, query_length) or (heads,
     tokens) for packed rows (flash_attn.cute.interface.flash_attn_varlen_func's docstring)."""

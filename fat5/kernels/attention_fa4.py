@@ -22,14 +22,26 @@ from .dispatch import op_namespace
 _NAMESPACE = op_namespace(__name__)
 
 
+def _fa4_interface():
+    """FA4's interface module, imported on the first FA4 call (the CuTe DSL takes seconds to import). The import
+    stands inside ``try``, where transformers' ``check_imports`` does not look: a Hub bundle of FAT5 carries this
+    file and must load where flash-attn-4 is not installed."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as error:
+        raise RuntimeError(
+            f"the FA4 attention route needs flash-attn-4 (pip install 'fat5[hopper]'): {error}"
+        ) from error
+    return interface
+
+
 def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, return_lse):
     """(output, log-sum-exp) from FA4's public functions, the log-sum-exp None when neither asked for nor needed by
     a backward."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
+    interface = _fa4_interface()
     if cu_seqlens_q is None:
-        return flash_attn_func(query, key, value, softmax_scale=scale, causal=causal, return_lse=return_lse)
-    return flash_attn_varlen_func(
+        return interface.flash_attn_func(query, key, value, softmax_scale=scale, causal=causal, return_lse=return_lse)
+    return interface.flash_attn_varlen_func(
         query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, return_lse=return_lse,
     )
@@ -76,13 +88,12 @@ def fa4_attention_backward_op(
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv, through the backward that FA4's autograd.Function calls, with the same arguments."""
-    from flash_attn.cute.interface import _flash_attn_bwd
-
     varlen = {}
     if cu_seqlens_q is not None:
         varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                   "max_seqlen_k": max_seqlen_k}
-    dq, dk, dv = _flash_attn_bwd(query, key, value, out, grad_out.contiguous(), lse, scale, causal, 0.0, **varlen)
+    dq, dk, dv = _fa4_interface()._flash_attn_bwd(query, key, value, out, grad_out.contiguous(), lse, scale, causal,
+                                                  0.0, **varlen)
     return dq, dk, dv
 
 
