@@ -10,8 +10,8 @@ Peers: SDPA's cuDNN backend with no bias (the H100's ceiling: what attention cos
 tensor whose gradient reaches the table through the gather. Tables: T5 at head_dim 64 and 128, ALiBi at 64,
 cross-attention at 64 and 128, self-attention without bias (RoPE, no position) at 64; a decoding step (1 query
 against a 4k..32k cache) against memory bandwidth. The bias-free tables also time flash-attn-4 (``fa4``, the route
-fat5/kernels/routes.py sends them to on Hopper; ``pip install "fat5[hopper]"``), called through FAT5's adapter
-whatever the table decides, beside FAT5's Triton kernel forced by ``backend="triton"``.
+fat5/kernels/routes.py has for them on Hopper, off until measured; ``pip install "fat5[hopper]"``), called through
+FAT5's adapter whatever the table decides, beside FAT5's Triton kernel forced by ``backend="triton"``.
 
 Method: every variant is first checked against the fp32 reference (relative error of the output and of every
 gradient); times are ``triton.testing.do_bench`` medians; FLOPs are 4·B·H·Lq·Lk·D for the forward (halved when

@@ -83,27 +83,30 @@ def test_head_dim_128_waits_for_its_measurement():
     assert not next(r for r in ATTENTION_ROUTES if r.head_dims == frozenset({128})).enabled
 
 
-def test_fa4_serves_the_bias_free_hopper_problems():
+def test_fa4_waits_for_its_gpu_tests_and_then_serves_the_bias_free_hopper_problems():
+    assert not [route for route in ATTENTION_ROUTES if route.kernel == "fa4" and route.enabled]
     for dtype in (torch.bfloat16, torch.float16):
         for masking in ("none", "causal_aligned"):
             for packed in (False, True):
                 problem = dataclasses.replace(FA4_PROBLEM, dtype=dtype, masking=masking, packed=packed)
-                assert table_kernel(problem, forced=None, available=every_kernel) == "fa4"
+                assert table_kernel(problem, forced=None, available=every_kernel) == "triton"
+                assert table_kernel(problem, forced="fa4", available=every_kernel) == "fa4"
 
 
 @pytest.mark.parametrize("change", [
     {"capability": None}, {"capability": (8, 0)}, {"capability": (8, 9)}, {"capability": (10, 0)},
     {"capability": (12, 0)}, {"position": "t5"}, {"position": "alibi"}, {"position": "bias"},
-    {"dtype": torch.float32}, {"head_dim": 32}, {"head_dim": 128}, {"head_dim": 80}, {"masking": "causal_offset"},
+    {"dtype": torch.float32}, {"head_dim": 32}, {"head_dim": 80}, {"masking": "causal_offset"},
     {"masking": "key_padding"}, {"dropout": True}, {"queries": 1}, {"queries": 127},
 ])
 def test_fa4_never_serves_what_it_cannot_compute_or_was_not_measured_on(change):
+    # FAT5_ATTENTION_ROUTE=fa4: every FA4 row on, the most FA4 can be asked to serve
     problem = dataclasses.replace(FA4_PROBLEM, **change)
-    assert table_kernel(problem, forced=None, available=every_kernel) == "triton"
+    assert table_kernel(problem, forced="fa4", available=every_kernel) == "triton"
 
 
 def test_without_flash_attn_4_installed_triton_serves():
-    assert table_kernel(FA4_PROBLEM, forced=None, available=no_fa4) == "triton"
+    assert table_kernel(FA4_PROBLEM, forced="fa4", available=no_fa4) == "triton"
 
 
 def test_the_environment_forces_triton():
@@ -111,8 +114,9 @@ def test_the_environment_forces_triton():
     assert forced_kernel_from({}) is None
     assert forced_kernel_from({"FAT5_ATTENTION_ROUTE": "auto"}) is None
     assert forced_kernel_from({"FAT5_ATTENTION_ROUTE": " Triton "}) == "triton"
-    with pytest.raises(ValueError, match="FAT5_ATTENTION_ROUTE must be 'triton' or 'auto'"):
-        forced_kernel_from({"FAT5_ATTENTION_ROUTE": "fa4"})
+    assert forced_kernel_from({"FAT5_ATTENTION_ROUTE": "FA4"}) == "fa4"
+    with pytest.raises(ValueError, match="FAT5_ATTENTION_ROUTE must be 'auto', 'triton' or 'fa4'"):
+        forced_kernel_from({"FAT5_ATTENTION_ROUTE": "cudnn"})
 
 
 def test_only_flash_attn_4s_own_distribution_of_the_4_0_series_counts():
