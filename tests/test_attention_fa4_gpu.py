@@ -58,7 +58,7 @@ def test_padded_rows_against_the_fp32_reference(dtype, causal, query_length, key
     value = leaf(batch, heads, key_length, head_dim, dtype=dtype)
     offset = key_length - query_length if causal else 0
     problem = padded_problem(query, key, "none", causal, None, offset, 0.0)
-    assert attention_kernel("auto", query, problem) == "fa4"
+    assert attention_kernel("auto", query, lambda: problem) == "fa4"
 
     def run(backend, q, k, v):
         return attention(q, k, v, causal=causal, query_offset=offset, backend=backend)
@@ -77,7 +77,7 @@ def test_packed_rows_against_the_fp32_reference(causal):
     query, key = leaf(total, heads, head_dim, std=0.35), leaf(total, heads, head_dim, std=0.35)
     value = leaf(total, heads, head_dim)
     problem = packed_problem(query, cu_seqlens, cu_seqlens, max(lengths), "none", causal, 0, 0.0)
-    assert attention_kernel("auto", query, problem) == "fa4"
+    assert attention_kernel("auto", query, lambda: problem) == "fa4"
 
     def run(backend, q, k, v):
         return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
@@ -108,12 +108,14 @@ def test_packed_cross_attention_with_an_empty_key_segment_gives_zeros():
 def test_a_bias_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton():
     query = torch.zeros(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     table = torch.zeros(32, 2, device="cuda")
-    assert attention_kernel("auto", query, padded_problem(query, query, PositionBias.t5(table).kind, False, None, 0,
-                                                          0.0)) == "triton"
+    biased = padded_problem(query, query, PositionBias.t5(table).kind, False, None, 0, 0.0)
+    assert attention_kernel("auto", query, lambda: biased) == "triton"
     key = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    assert attention_kernel("auto", query, padded_problem(query, key, "none", True, None, 0, 0.0)) == "triton"
+    unaligned = padded_problem(query, key, "none", True, None, 0, 0.0)
+    assert attention_kernel("auto", query, lambda: unaligned) == "triton"
     step = query[:, :, :1]
-    assert attention_kernel("auto", step, padded_problem(step, key, "none", True, None, 255, 0.0)) == "triton"
+    decoding = padded_problem(step, key, "none", True, None, 255, 0.0)
+    assert attention_kernel("auto", step, lambda: decoding) == "triton"
 
 
 def test_torch_compile_fullgraph_with_inductor():

@@ -146,12 +146,27 @@ def test_cpu_tensors_take_the_reference_or_the_asked_backend(monkeypatch):
     query = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
     problem = padded_problem(query, query, "none", False, None, 0, 0.0)
     assert problem.capability is None
-    assert attention_kernel("auto", query, problem) == "reference"
-    assert attention_kernel("reference", query, problem) == "reference"
+    assert attention_kernel("auto", query, lambda: problem) == "reference"
+    assert attention_kernel("reference", query, lambda: problem) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert attention_kernel("triton", query, problem) == "triton"
+    assert attention_kernel("triton", query, lambda: problem) == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
-        attention_kernel("fa4", query, problem)
+        attention_kernel("fa4", query, lambda: problem)
+
+
+def test_where_only_triton_can_serve_no_problem_is_described(monkeypatch):
+    """Without flash-attn-4 (or with its rows off) a GPU call goes to Triton without building its problem: an eager
+    step's host time is what a small model waits on."""
+    assert not routes.TABLE_DECIDES
+    monkeypatch.setattr(routes, "use_triton", lambda backend, tensor: True)
+
+    def describe():
+        raise AssertionError("the problem was described")
+
+    assert attention_kernel("auto", torch.zeros(1), describe) == "triton"
+    monkeypatch.setattr(routes, "TABLE_DECIDES", True)
+    monkeypatch.setattr(routes, "table_kernel", lambda problem: problem)
+    assert attention_kernel("auto", torch.zeros(1), lambda: "asked") == "asked"
 
 
 def test_problem_descriptions_are_checked():
@@ -311,9 +326,9 @@ def test_the_model_describes_its_attention_problems(monkeypatch):
 
     asked = []
 
-    def recording(backend, tensor, problem):
-        asked.append(problem)
-        return attention_kernel(backend, tensor, problem)
+    def recording(backend, tensor, describe):
+        asked.append(describe())
+        return attention_kernel(backend, tensor, describe)
 
     monkeypatch.setattr(attention_module, "attention_kernel", recording)
     segment_ids = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])

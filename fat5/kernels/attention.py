@@ -120,8 +120,8 @@ def attention(
         "position_bias": position_bias, "scale": scale, "causal": causal, "key_padding_mask": key_padding_mask,
         "query_offset": query_offset, "dropout_p": dropout_p,
     }
-    problem = padded_problem(query, key, position_bias.kind, causal, key_padding_mask, query_offset, dropout_p)
-    kernel = attention_kernel(backend, query, problem)
+    kernel = attention_kernel(backend, query, lambda: padded_problem(query, key, position_bias.kind, causal,
+                                                                     key_padding_mask, query_offset, dropout_p))
     if kernel == "fa4":
         from .attention_fa4 import fa4_attention
 
@@ -210,9 +210,8 @@ def attention_varlen(
         "position_bias": position_bias, "scale": scale, "causal": causal, "query_offset": query_offset,
         "dropout_p": dropout_p,
     }
-    problem = packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_bias.kind, causal, query_offset,
-                             dropout_p)
-    kernel = attention_kernel(backend, query, problem)
+    kernel = attention_kernel(backend, query, lambda: packed_problem(
+        query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_bias.kind, causal, query_offset, dropout_p))
     if kernel == "fa4":
         from .attention_fa4 import fa4_attention_varlen
 

@@ -157,17 +157,27 @@ def kernel_available(kernel: str) -> bool:
     return kernel == "triton" or (kernel == "fa4" and FA4_UNUSABLE_REASON is None)
 
 
-def attention_kernel(backend: str, tensor: torch.Tensor, problem: AttentionProblem) -> str:
-    """``"reference"``, ``"triton"`` or ``"fa4"`` for ``problem``, whose main input is ``tensor``.
+# whether a row beside Triton's could serve here (on, or turned on by FAT5_ATTENTION_ROUTE, and its kernel installed)
+TABLE_DECIDES = FORCED_KERNEL != "triton" and any(
+    (route.enabled or FORCED_KERNEL == route.kernel) and kernel_available(route.kernel)
+    for route in ATTENTION_ROUTES if route.kernel != "triton"
+)
+
+
+def attention_kernel(backend: str, tensor: torch.Tensor, describe) -> str:
+    """``"reference"``, ``"triton"`` or ``"fa4"`` for the problem ``describe()`` returns, whose main input is
+    ``tensor``.
 
     ``backend`` as in ``dispatch.use_triton``: ``"reference"`` and ``"triton"`` are obeyed (an impossible choice
     raises there), ``"auto"`` takes the reference where Triton cannot run (CPU, no triton) and the table otherwise.
+    The problem is described only where the table has a choice (``TABLE_DECIDES``): an eager step's host time is
+    what a small model waits on, and without flash-attn-4 every call goes to Triton anyway.
     """
     if not use_triton(backend, tensor):
         return "reference"
-    if backend == "triton":
+    if backend == "triton" or not TABLE_DECIDES:
         return "triton"
-    return table_kernel(problem)
+    return table_kernel(describe())
 
 
 def table_kernel(problem: AttentionProblem, *, forced: str | None = FORCED_KERNEL, available=kernel_available) -> str:
