@@ -8,7 +8,10 @@ Peers: SDPA's cuDNN backend with no bias (the H100's ceiling: what attention cos
 1.6x FlashAttention-2 up to L 2048), SDPA's FlashAttention-2 with no bias, FlexAttention with the same bias as a
 ``score_mod`` (compiled), SDPA (default backend choice, and cuDNN) with the bias materialised as a (1, heads, L, L)
 tensor whose gradient reaches the table through the gather. Tables: T5 at head_dim 64 and 128, ALiBi at 64,
-cross-attention at 64; a decoding step (1 query against a 4k..32k cache) against memory bandwidth.
+cross-attention at 64 and 128, self-attention without bias (RoPE, no position) at 64; a decoding step (1 query
+against a 4k..32k cache) against memory bandwidth. The bias-free tables also time flash-attn-4 (``fa4``, the route
+fat5/kernels/routes.py has for them on Hopper, off until measured; ``pip install "fat5[hopper]"``), called through
+FAT5's adapter whatever the table decides, beside FAT5's Triton kernel forced by ``backend="triton"``.
 
 Method: every variant is first checked against the fp32 reference (relative error of the output and of every
 gradient); times are ``triton.testing.do_bench`` medians; FLOPs are 4·B·H·Lq·Lk·D for the forward (halved when
@@ -19,6 +22,8 @@ Compilation (Triton kernels, FlexAttention) happens first, in parallel worker pr
 caches; the timing itself runs in this process, one variant at a time.
 
     python benchmarks/attention.py --out benchmarks/results/attention.json
+    python benchmarks/attention.py --tables cross_d64 none_d64 cross_d128 --skip-decoding \
+        --out benchmarks/results/attention_fa4.json
     python benchmarks/attention.py --sweep --out benchmarks/results/attention_sweep.json
     python benchmarks/attention.py --breakdown --out benchmarks/results/attention_breakdown.json
     python benchmarks/attention.py --sweep-short --out benchmarks/results/attention_sweep_short.json
@@ -68,13 +73,17 @@ BIASED_PEERS = ("fat5", "flex", "sdpa_materialised", "sdpa_cudnn_materialised")
 # timed call: a stack pays it once for all its layers.
 FROZEN_ROUTES = ("fat5_frozen", "fat5_explicit_frozen", "sdpa_cudnn_frozen_bias")
 # timed from a CUDA graph too (FlexAttention's compiled code and the materialised bias's index backward are not)
-GRAPHED = CEILINGS + ("fat5",) + FROZEN_ROUTES
+GRAPHED = CEILINGS + ("fat5", "fa4") + FROZEN_ROUTES
+# flash-attn-4, for the problems without a bias (its score_mod route for T5's bias measured 0.40-0.49x cuDNN, issue 42)
+BIAS_FREE_PEERS = CEILINGS + ("fat5", "fa4")
 TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-attention, None for self-attention)
     ("t5_d64", "t5", 64, CEILINGS + BIASED_PEERS, None),
-    ("cross_d64", "none", 64, CEILINGS + ("fat5",), 4),
+    ("cross_d64", "none", 64, BIAS_FREE_PEERS, 4),
     ("t5_d128", "t5", 128, CEILINGS + BIASED_PEERS, None),
     ("alibi_d64", "alibi", 64, CEILINGS + ("fat5", "flex"), None),
     ("t5_routes_d64", "t5", 64, ("sdpa_cudnn_no_bias", "fat5") + FROZEN_ROUTES, None),
+    ("none_d64", "none", 64, BIAS_FREE_PEERS, None),
+    ("cross_d128", "none", 128, BIAS_FREE_PEERS, 4),
 ]
 DEFAULT_TABLES = ("t5_d64", "cross_d64")
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers])
@@ -144,6 +153,12 @@ def implementation(name, position_encoding, causal, length, head_dim):
                 q, k, v, causal=causal, position_bias=position_bias(position_encoding, position, causal),
                 backend="triton",
             )
+        return run
+    if name == "fa4":
+        from fat5.kernels.attention_fa4 import fa4_attention
+
+        def run(q, k, v, position):
+            return fa4_attention(q, k, v, scale=1.0, causal=causal)
         return run
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -700,16 +715,17 @@ def _modes(query_divisor):
 
 
 def _ratios(table_name, rows):
-    """FAT5 (and its routes) against the no-bias ceilings (cuDNN, FlashAttention-2) and against FlexAttention, per
-    length and mode; the frozen routes too, where the table takes no gradient."""
+    """FAT5 (and its routes, FA4's included) against the no-bias ceilings (cuDNN, FlashAttention-2), FlexAttention
+    and FAT5's Triton kernel, per length and mode; the frozen routes too, where the table takes no gradient."""
     index = {(r["implementation"], r["causal"], r["length"]): r for r in rows}
     summary = []
     for (name, causal, length), row in sorted(index.items(), key=lambda item: (item[0][1], item[0][2])):
-        if name != "fat5" and name not in FROZEN_ROUTES or "tflops" not in row.get("forward_backward", {}):
+        if name not in ("fat5", "fa4") + FROZEN_ROUTES or "tflops" not in row.get("forward_backward", {}):
             continue
         cudnn = index.get(("sdpa_cudnn_no_bias", causal, length), {})
         flash = index.get(("sdpa_flash_no_bias", causal, length), {})
         flex = index.get(("flex", causal, length), {})
+        triton = index.get(("fat5", causal, length), {})
 
         def ratio(a, b, phase, field="tflops"):
             try:
@@ -726,6 +742,8 @@ def _ratios(table_name, rows):
             "fwd+bwd / cuDNN, graphs": ratio(row, cudnn, "forward_backward", "graph_tflops"),
             "fwd+bwd / FA2": ratio(row, flash, "forward_backward"),
             "fwd+bwd / flex": ratio(row, flex, "forward_backward"),
+            "fwd+bwd / FAT5 Triton": ratio(row, triton, "forward_backward"),
+            "fwd+bwd / FAT5 Triton, graphs": ratio(row, triton, "forward_backward", "graph_tflops"),
             "mem / FA2": ratio(row, flash, "forward_backward", "peak_mib"),
         })
     return summary

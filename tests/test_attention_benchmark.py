@@ -37,3 +37,21 @@ def test_sweep_short_reports_per_problem_and_phase_the_fastest_variant_against_t
         timed_phases = {phase for phase in ("forward", "forward_backward") if phase in row}
         expected = {"default": {"forward", "forward_backward"}, "forward": {"forward"}}
         assert timed_phases == expected.get(row["variant"], {"forward_backward"})
+
+
+def test_the_bias_free_tables_time_fa4_beside_triton_and_cudnn_and_report_its_ratios():
+    attention = benchmark_module("attention")
+    bias_free = [table for table in attention.TABLES if table[1] == "none"]
+    assert {table[0] for table in bias_free} == {"cross_d64", "cross_d128", "none_d64"}
+    assert all({"fa4", "fat5", "sdpa_cudnn_no_bias"} <= set(table[3]) for table in bias_free)
+    assert "fa4" in attention.GRAPHED
+
+    def row(name, tflops):
+        phase = {"tflops": tflops, "graph_tflops": tflops}
+        return {"implementation": name, "causal": False, "length": 1024, "forward": phase, "forward_backward": phase}
+
+    rows = [row("sdpa_cudnn_no_bias", 400.0), row("fat5", 300.0), row("fa4", 450.0)]
+    summary = {entry["implementation"]: entry for entry in attention._ratios("none_d64", rows)}
+    assert set(summary) == {"fat5", "fa4"}
+    assert summary["fa4"]["fwd+bwd / cuDNN"] == 1.125 and summary["fa4"]["fwd+bwd / FAT5 Triton"] == 1.5
+    assert summary["fa4"]["fwd+bwd / FAT5 Triton, graphs"] == 1.5 and summary["fat5"]["fwd+bwd / cuDNN"] == 0.75

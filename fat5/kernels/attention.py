@@ -14,8 +14,8 @@ True where a key may be attended; a query that sees no key outputs zeros.
 
 import torch
 
-from .dispatch import use_triton
 from .position_bias import NO_POSITION_BIAS, PositionBias
+from .routes import attention_kernel, packed_problem, padded_problem
 
 
 def _check_inputs(query, key, value, query_offset, position_bias, dropout_p):
@@ -112,14 +112,21 @@ def attention(
             one-element integer tensor on the query's device, which the Triton kernel reads in place (no host
             synchronisation; a CUDA graph of a decoding step stays valid as the position advances).
         dropout_p: dropout on the attention probabilities.
-        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``dispatch``).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``dispatch``); ``"auto"`` on a GPU takes the kernel
+            that ``routes.ATTENTION_ROUTES`` names for the problem (flash-attn-4 for some bias-free ones on Hopper).
     """
     _check_padded_inputs(query, key, value, key_padding_mask, query_offset, position_bias, dropout_p)
     arguments = {
         "position_bias": position_bias, "scale": scale, "causal": causal, "key_padding_mask": key_padding_mask,
         "query_offset": query_offset, "dropout_p": dropout_p,
     }
-    if use_triton(backend, query):
+    kernel = attention_kernel(backend, query, lambda: padded_problem(query, key, position_bias.kind, causal,
+                                                                     key_padding_mask, query_offset, dropout_p))
+    if kernel == "fa4":
+        from .attention_fa4 import fa4_attention
+
+        return fa4_attention(query, key, value, scale=scale, causal=causal)
+    if kernel == "triton":
         from .attention_triton import flash_attention
 
         return flash_attention(query, key, value, **arguments)
@@ -203,7 +210,14 @@ def attention_varlen(
         "position_bias": position_bias, "scale": scale, "causal": causal, "query_offset": query_offset,
         "dropout_p": dropout_p,
     }
-    if use_triton(backend, query):
+    kernel = attention_kernel(backend, query, lambda: packed_problem(
+        query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_bias.kind, causal, query_offset, dropout_p))
+    if kernel == "fa4":
+        from .attention_fa4 import fa4_attention_varlen
+
+        return fa4_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    scale=scale, causal=causal)
+    if kernel == "triton":
         from .attention_triton import flash_attention_varlen
 
         return flash_attention_varlen(
