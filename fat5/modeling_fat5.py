@@ -204,7 +204,8 @@ def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerN
 
 def _is_fused_decoding_step(block, hidden_states: torch.Tensor, past_key_values) -> bool:
     """Whether ``block`` runs this call as a decoding step of the fused kernels (``config.decode_kernels="fused"``):
-    one new token per row with a KV cache, no gradient, eval mode (no dropout to apply) and no autocast."""
+    one new token per row with a KV cache, no gradient, eval mode (no dropout to apply), no autocast, and not under
+    torch.compile (transformers' static cache compiles the step: Inductor fuses the norms and adds itself)."""
     return (
         block.fused_decoding
         and past_key_values is not None
@@ -212,6 +213,7 @@ def _is_fused_decoding_step(block, hidden_states: torch.Tensor, past_key_values)
         and not block.training
         and not torch.is_grad_enabled()
         and _autocast_dtype(hidden_states.device.type) is None
+        and not torch.compiler.is_compiling()
     )
 
 

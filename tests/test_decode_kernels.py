@@ -37,20 +37,20 @@ def _counted(monkeypatch, module, calls: list) -> None:
     monkeypatch.setattr(module, "rms_norm_linear", counting)
 
 
-def _generate(model, graphed: str, device: str = "cpu"):
+def _generate(model, graphed: str, device: str = "cpu", **options):
     model.config.graphed_decoding = graphed
     input_ids, attention_mask, _ = padded_batch()
     return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=4,
-                          do_sample=False, output_logits=graphed == "never", return_dict_in_generate=True)
+                          do_sample=False, output_logits=graphed == "never", return_dict_in_generate=True, **options)
 
 
-def _check_same_decoding(monkeypatch, feed_forward_proj, dtype, graphed, device="cpu"):
+def _check_same_decoding(monkeypatch, feed_forward_proj, dtype, graphed, device="cpu", **options):
     separate, fused = _pair(feed_forward_proj, dtype, device)
     calls = []
     _counted(monkeypatch, fat5.modeling_fat5 if graphed == "never" else fat5.graphed_decoding, calls)
-    expected = _generate(separate, graphed, device)
+    expected = _generate(separate, graphed, device, **options)
     assert not calls, "the separate route ran a fused projection"
-    actual = _generate(fused, graphed, device)
+    actual = _generate(fused, graphed, device, **options)
     assert calls, "the fused route never ran its kernels"
     assert all(shape[-2] == 1 or len(shape) == 2 for shape in calls), "a prompt went through the fused route"
     if dtype != torch.bfloat16:
@@ -75,6 +75,11 @@ def _check_logits(actual, expected, dtype) -> None:
                                                             ("always", "gated-gelu")])
 def test_fused_decoding_gives_the_separate_routes_ids_fp32(monkeypatch, graphed, feed_forward_proj):
     _check_same_decoding(monkeypatch, feed_forward_proj, torch.float32, graphed)
+
+
+def test_fused_decoding_into_a_static_cache(monkeypatch):
+    """transformers' static cache, not compiled on the CPU: the fused projections beside its fixed-size buffers."""
+    _check_same_decoding(monkeypatch, "gated-gelu", torch.float32, "never", cache_implementation="static")
 
 
 def test_fused_decoding_gives_the_separate_routes_ids_fp16(monkeypatch):

@@ -57,9 +57,12 @@ def _check(hidden_states: torch.Tensor, weights: list[torch.Tensor], name: str) 
 
 
 def _kernel_runs(backend: str, tensors: list[torch.Tensor]) -> bool:
-    # the kernels have no backward: an input that needs a gradient takes the reference, whatever the backend
+    # the kernels have no backward: an input that needs a gradient takes the reference, whatever the backend; nor are
+    # they custom ops that torch.compile could trace, and Inductor fuses the reference's norm and add itself
     needs_gradient = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return use_triton(backend, tensors[0]) and not needs_gradient and all(
+    if needs_gradient or torch.compiler.is_compiling():
+        return False
+    return use_triton(backend, tensors[0]) and all(
         tensor.dtype in _TRITON_DTYPES for tensor in tensors
     )
 
