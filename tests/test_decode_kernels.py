@@ -20,8 +20,10 @@ def _pair(feed_forward_proj: str, dtype: torch.dtype, device: str = "cpu"):
     models = []
     for decode_kernels in ("separate", "fused"):
         torch.manual_seed(0)
-        config = FAT5Config(**TINY, feed_forward_proj=feed_forward_proj, attention_backend="triton",
-                            decode_kernels=decode_kernels, tie_word_embeddings=feed_forward_proj == "relu")
+        # one layer a stack: every kernel runs through the interpreter, and one layer chains all the fused calls
+        config = FAT5Config(**{**TINY, "num_layers": 1, "num_decoder_layers": 1}, feed_forward_proj=feed_forward_proj,
+                            attention_backend="triton", decode_kernels=decode_kernels,
+                            tie_word_embeddings=feed_forward_proj == "relu")
         models.append(FAT5ForConditionalGeneration(config).to(device, dtype).eval())
     return models
 
@@ -80,6 +82,10 @@ def test_fused_decoding_gives_the_separate_routes_ids_fp32(monkeypatch, graphed,
 def test_fused_decoding_into_a_static_cache(monkeypatch):
     """transformers' static cache, not compiled on the CPU: the fused projections beside its fixed-size buffers."""
     _check_same_decoding(monkeypatch, "gated-gelu", torch.float32, "never", cache_implementation="static")
+
+
+def test_beam_search_through_the_fused_graphed_step(monkeypatch):
+    _check_same_decoding(monkeypatch, "gated-gelu", torch.float32, "always", num_beams=2)
 
 
 def test_fused_decoding_gives_the_separate_routes_ids_fp16(monkeypatch):
