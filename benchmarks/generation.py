@@ -134,7 +134,8 @@ def kernels_per_step(model, ids, options: dict, device: str) -> float | None:
         return None
     counts = []
     for steps in (1, new_tokens):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profiler:
             timed_generate(model, ids, device, **dict(options, max_new_tokens=steps, min_new_tokens=steps))
         counts.append(sum(event.count for event in profiler.key_averages()
                           if event.device_type == torch.autograd.DeviceType.CUDA))
