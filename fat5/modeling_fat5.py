@@ -178,21 +178,24 @@ class FAT5LayerFF(nn.Module):
     def forward(self, hidden_states: torch.Tensor, fused_decoding_step: bool = False) -> torch.Tensor:
         """``fused_decoding_step``: the block's call is a decoding step of the fused kernels (see
         :func:`_is_fused_decoding_step`), which this layer follows where its projections allow."""
+        if fused_decoding_step:
+            output = self._fused_decoding_step(hidden_states)
+            if output is not None:
+                return output
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+
+    def _fused_decoding_step(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output in two kernels (norm, input projections and activation; output projection and
+        residual), or None where its projections or activation keep it on the separate route."""
         feed_forward = self.DenseReluDense
         gated = isinstance(feed_forward, FAT5DenseGatedActDense)
         gate, linear = (feed_forward.wi_0, feed_forward.wi_1) if gated else (feed_forward.wi, None)
         projections = [module for module in (gate, linear, feed_forward.wo) if module is not None]
-        if (
-            fused_decoding_step
-            and feed_forward.activation_backend is not None
-            and _fuses_into(self.layer_norm, hidden_states, projections)
-        ):
-            activated = _normed_projection(
-                self.layer_norm, gate, hidden_states, activation=feed_forward.activation_name,
-                linear_weight=None if linear is None else linear.weight,
-            )
-            return linear_residual(activated, feed_forward.wo.weight, hidden_states, backend=self.layer_norm.backend)
-        return hidden_states + self.dropout(feed_forward(self.layer_norm(hidden_states)))
+        if feed_forward.activation_backend is None or not _fuses_into(self.layer_norm, hidden_states, projections):
+            return None
+        activated = _normed_projection(self.layer_norm, gate, hidden_states, activation=feed_forward.activation_name,
+                                       linear_weight=None if linear is None else linear.weight)
+        return linear_residual(activated, feed_forward.wo.weight, hidden_states, backend=self.layer_norm.backend)
 
 
 def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerNorm:
