@@ -7,8 +7,10 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
 
 - the step (:func:`_decoder_step`): per decoder layer one product for self-attention's q, k and v, one for the
   feed-forward's input projections, the residual added by each output projection (``addmm_``), FAT5's RMSNorm,
-  attention and activation kernels; the cross-attention keys and values of every layer come from one product of the
-  encoder's output at the start of the call; T5's bias by relative position is made once per version of the weights,
+  attention and activation kernels (under ``decode_kernels="fused"`` each norm runs inside the projection after it,
+  with the activation, and each residual add inside its output projection: ``kernels.decode_linear``); the
+  cross-attention keys and values of every layer come from one product of the encoder's output at the start of the
+  call; T5's bias by relative position is made once per version of the weights,
   not by every attention launch. These derived weights (:class:`_DecoderWeights`) are kept on the model and made
   again when a parameter changes (its ``data_ptr()`` or ``_version``: an in-place change through ``.data`` is not
   seen).
