@@ -17,15 +17,16 @@ _LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1
 
 def _pair(feed_forward_proj: str, dtype: torch.dtype, device: str = "cpu"):
     """The same weights under ``decode_kernels="separate"`` and ``"fused"``, in eval mode."""
+    torch.manual_seed(0)
     models = []
     for decode_kernels in ("separate", "fused"):
-        torch.manual_seed(0)
         # one layer a stack: every kernel runs through the interpreter, and one layer chains all the fused calls
         config = FAT5Config(**{**TINY, "num_layers": 1, "num_decoder_layers": 1}, feed_forward_proj=feed_forward_proj,
                             attention_backend="triton", decode_kernels=decode_kernels,
                             tie_word_embeddings=feed_forward_proj == "relu")
-        models.append(FAT5ForConditionalGeneration(config).to(device, dtype).eval())
-    return models
+        models.append(FAT5ForConditionalGeneration(config))
+    models[1].load_state_dict(models[0].state_dict())
+    return [model.to(device, dtype).eval() for model in models]
 
 
 def _counted(monkeypatch, module, calls: list) -> None:
