@@ -62,9 +62,7 @@ def _kernel_runs(backend: str, tensors: list[torch.Tensor]) -> bool:
     needs_gradient = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
     if needs_gradient or torch.compiler.is_compiling():
         return False
-    return use_triton(backend, tensors[0]) and all(
-        tensor.dtype in _TRITON_DTYPES for tensor in tensors
-    )
+    return use_triton(backend, tensors[0]) and all(tensor.dtype in _TRITON_DTYPES for tensor in tensors)
 
 
 def rms_norm_linear(
