@@ -5,7 +5,9 @@ max_new_tokens), inputs of ``--input-lengths`` random tokens.
 Implementations: ``fat5`` (FAT5's ``generate`` as a user calls it), ``transformers-static``
 (``cache_implementation="static"``, with which ``generate`` compiles the decoding step: torch.compile,
 reduce-overhead, CUDA graphs), ``transformers-dynamic`` (its default cache, eager), and on request ``fat5-static``
-(FAT5 with transformers' static cache, compiled by ``generate`` the same way).
+(FAT5 with transformers' static cache, compiled by ``generate`` the same way) and ``fat5-fused`` (FAT5 with the same
+weights under ``decode_kernels="fused"``: the decoding step's norms inside its projections and its residual adds inside
+the output projections; its ids are also checked in the fp32 check below when it is measured).
 
 Per implementation, batch and input length, after ``torch._dynamo.reset()`` (each shape's first call is a fresh
 process's; ``--keep-compiled`` leaves compiled code between shapes): the first call's seconds (compilation, graph
@@ -17,6 +19,9 @@ out-of-memory error, or any other, is recorded in the row and the run goes on. E
 with transformers' (static cache if measured): the fraction of equal tokens and the first step where a row differs. In
 bf16 random weights give nearly flat logits, where one rounding flips a greedy choice, so the exact check runs in fp32:
 both models in fp32, batch 4, input 512, 32 new tokens, their ids must be equal (``--no-exactness`` skips it).
+``--count-kernels`` adds ``kernels_per_step`` to each row: the profiler's count of GPU kernels in a call of
+``--new-tokens`` less that of the time-to-first-token call, over the steps between (kernels replayed from a CUDA
+graph count one by one).
 
 GPU time is scarce. The default grid (3 implementations x 4 batches x 2 input lengths) should take about 7
 minutes on an H100 (an estimate: transformers compiles every shape for 25-40 s, the rest is seconds a shape), so
@@ -30,15 +35,17 @@ by a time limit keeps what it measured), merged afterwards on any machine:
         runs/generation_long.json --out benchmarks/results/generation.json
     python benchmarks/generation.py --tiny --out /tmp/generation.json    # every path on a CPU, in seconds
 
-``--batches``, ``--input-lengths`` and ``--implementations`` pick smaller subsets. ``--long`` measures, instead of
-the grid, FAT5 alone at batch 1 on a ``--long-length`` (65,536) token input (transformers' T5 materialises (batch,
-heads, L, L) scores and cannot encode it: ``--long-transformers`` tries it and records the error). The result file
-holds the rows, FAT5 / transformers tokens/s ratios of each (batch, input) whose two rows come from one run, the
-environment of each run (``runs``; each row names its own); a PNG beside it (tokens/s by batch, one panel per input
+``--batches``, ``--input-lengths`` and ``--implementations`` pick smaller subsets (or add ``fat5-fused``).
+``--long`` measures, instead of the grid, FAT5 alone (and ``fat5-fused`` when among ``--implementations``) at batch 1
+on a ``--long-length`` (65,536) token input (transformers' T5 materialises (batch, heads, L, L) scores and cannot
+encode it: ``--long-transformers`` tries it and records the error). The result file holds the rows, FAT5 /
+transformers tokens/s ratios of each (batch, input) whose two rows come from one run, the environment of each run
+(``runs``; each row names its own); a PNG beside it (tokens/s by batch, one panel per input
 length, log scales) and markdown tables printed.
 """
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -57,6 +64,7 @@ from generation_profile import BASE, TINY, build_models, timed_generate
 IMPLEMENTATIONS = {
     "fat5": ("fat5", {}),
     "fat5-static": ("fat5", {"cache_implementation": "static"}),
+    "fat5-fused": ("fat5-fused", {}),
     "transformers-static": ("transformers", {"cache_implementation": "static"}),
     "transformers-dynamic": ("transformers", {}),
 }
@@ -117,6 +125,34 @@ def time_generation(model, ids, options: dict, device: str) -> tuple[dict, torch
     return row, sequences[:, -new_tokens:].cpu()
 
 
+def kernels_per_step(model, ids, options: dict, device: str) -> float | None:
+    """GPU kernels launched by one decoding step: a call of ``options``' new tokens less a call of one new token (the
+    encoder, the first step and the set-up cancel), over the steps between; both calls already warm (compiled,
+    captured) from ``time_generation``. None off the GPU."""
+    new_tokens = options["max_new_tokens"]
+    if device != "cuda" or new_tokens < 2:
+        return None
+    counts = []
+    for steps in (1, new_tokens):
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profiler:
+            timed_generate(model, ids, device, **dict(options, max_new_tokens=steps, min_new_tokens=steps))
+        counts.append(sum(event.count for event in profiler.key_averages()
+                          if event.device_type == torch.autograd.DeviceType.CUDA))
+    return round((counts[1] - counts[0]) / (new_tokens - 1), 1)
+
+
+def fused_twin(fat5):
+    """The same FAT5 under ``decode_kernels="fused"`` (a model's decoding route is fixed when it is built)."""
+    from fat5 import FAT5ForConditionalGeneration
+
+    config = copy.deepcopy(fat5.config)
+    config.decode_kernels = "fused"
+    twin = FAT5ForConditionalGeneration(config)
+    twin.load_state_dict(fat5.state_dict())
+    return twin.to(fat5.device, fat5.dtype).eval()
+
+
 def error_summary(error: Exception) -> str:
     """"OOM" for an out-of-memory error (compiled code and CUDA graphs raise it as a RuntimeError too), else the
     error's type and first line, its traceback printed for the log."""
@@ -145,6 +181,8 @@ def measure_shape(models: dict, implementations: list[str], batch: int, input_le
         try:
             measured, sequences[name] = time_generation(models[model_name], ids, options, device)
             row.update(measured)
+            if args.count_kernels:
+                row["kernels_per_step"] = kernels_per_step(models[model_name], ids, options, device)
         except Exception as error:  # noqa: BLE001 - recorded: one failing shape must not cost the others
             row["error"] = error_summary(error)
         release(device, args.keep_compiled)
@@ -172,44 +210,56 @@ def compare_ids(rows: list[dict], sequences: dict) -> None:
         row.update(ids_compared_with=reference, equal_token_fraction=fraction, first_divergent_step=step)
 
 
-def exactness_fp32(shape: dict, device: str, batch: int, input_length: int, new_tokens: int) -> dict:
+def exactness_fp32(shape: dict, device: str, batch: int, input_length: int, new_tokens: int,
+                   fused: bool = False) -> dict:
     """FAT5's ``generate`` against transformers' (default cache), both models in fp32 with the same weights: the ids
-    must be equal. Also the largest logit difference over the steps up to the first divergent one (all if none)."""
+    must be equal. Also the largest logit difference over the steps up to the first divergent one (all if none).
+    ``fused``: the same for FAT5 under ``decode_kernels="fused"``, under ``"fat5-fused"``."""
     models = build_models(shape, device, torch.float32)
+    if fused:
+        models["fat5-fused"] = fused_twin(models["fat5"])
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(2, shape["vocab_size"] - 1, (batch, input_length), generator=generator).to(device)
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
                "return_dict_in_generate": True, "output_logits": True}
     with torch.no_grad():
         outputs = {name: model.generate(ids, **options) for name, model in models.items()}
-    fat5, transformers = outputs["fat5"], outputs["transformers"]
-    fraction, step = divergence(fat5.sequences[:, -new_tokens:], transformers.sequences[:, -new_tokens:])
-    compared = new_tokens if step is None else step + 1
-    difference = max(float((a.float() - b.float()).abs().max()) for a, b in
-                     zip(fat5.logits[:compared], transformers.logits[:compared]))
+    check = {"dtype": "float32", "batch": batch, "input_length": input_length, "new_tokens": new_tokens,
+             **ids_agreement(outputs["fat5"], outputs["transformers"], new_tokens),
+             "compared_with": "transformers-dynamic"}
+    if fused:
+        check["fat5-fused"] = ids_agreement(outputs["fat5-fused"], outputs["transformers"], new_tokens)
     del models, outputs
     release(device)
-    return {"dtype": "float32", "batch": batch, "input_length": input_length, "new_tokens": new_tokens,
-            "ids_equal": step is None, "equal_token_fraction": fraction, "first_divergent_step": step,
-            "max_logit_difference": difference, "compared_with": "transformers-dynamic"}
+    return check
+
+
+def ids_agreement(output, reference, new_tokens: int) -> dict:
+    """Whether ``output``'s new ids equal ``reference``'s, and the largest logit difference over the steps up to the
+    first divergent one (all if none)."""
+    fraction, step = divergence(output.sequences[:, -new_tokens:], reference.sequences[:, -new_tokens:])
+    compared = new_tokens if step is None else step + 1
+    difference = max(float((a.float() - b.float()).abs().max()) for a, b in
+                     zip(output.logits[:compared], reference.logits[:compared]))
+    return {"ids_equal": step is None, "equal_token_fraction": fraction, "first_divergent_step": step,
+            "max_logit_difference": difference}
 
 
 def tokens_per_second_ratios(rows: list[dict]) -> list[dict]:
-    """FAT5's tokens/s over each transformers implementation's, per (batch, input length) measured in one run."""
+    """Each FAT5 implementation's tokens/s over each transformers implementation's, one entry per (batch, input
+    length), from rows measured in one run."""
     measured = {(row["implementation"], row["batch"], row["input_length"]): row for row in rows
                 if row.get("tokens_per_second")}
-    ratios = []
+    entries = {}
     for (name, batch, length), row in sorted(measured.items(), key=lambda item: item[0][1:]):
         if not name.startswith("fat5"):
             continue
-        entry = {"batch": batch, "input_length": length}
+        entry = entries.setdefault((batch, length), {"batch": batch, "input_length": length})
         for peer in REFERENCES:
             other = measured.get((peer, batch, length))
             if other is not None and other.get("run") == row.get("run"):
                 entry[f"{name} / {peer}"] = round(row["tokens_per_second"] / other["tokens_per_second"], 3)
-        if len(entry) > 2:
-            ratios.append(entry)
-    return ratios
+    return [entry for entry in entries.values() if len(entry) > 2]
 
 
 def row_key(row: dict) -> tuple:
@@ -294,12 +344,14 @@ def blank_nones(rows: list[dict]) -> list[dict]:
 
 
 def print_tables(results: dict) -> None:
-    print(markdown_table(blank_nones(results["grid"]), GRID_COLUMNS))
+    counted = any("kernels_per_step" in row for row in results["grid"] + results["long"])
+    columns = GRID_COLUMNS + (["kernels_per_step"] if counted else [])
+    print(markdown_table(blank_nones(results["grid"]), columns))
     if results["ratios"]:
         columns = list(dict.fromkeys(key for entry in results["ratios"] for key in entry if "/" in key))
         print("\n" + markdown_table(results["ratios"], ["batch", "input_length", *columns]))
     if results["long"]:
-        print("\n" + markdown_table(blank_nones(results["long"]), GRID_COLUMNS))
+        print("\n" + markdown_table(blank_nones(results["long"]), columns))
     if results["fp32_exactness"]:
         print("\nfp32 exactness:", results["fp32_exactness"])
 
@@ -314,6 +366,8 @@ def parse_arguments(argv=None) -> argparse.Namespace | None:
                         help="no torch._dynamo.reset() between shapes: first_call_s then says whether a new shape "
                              "recompiles in a process that already decoded others (CUDA graphs' pools stay too)")
     parser.add_argument("--no-exactness", action="store_true", help="skip the fp32 ids check (in all calls but one)")
+    parser.add_argument("--count-kernels", action="store_true",
+                        help="add kernels_per_step to each row (GPU only: profiles two more calls a row)")
     parser.add_argument("--long", action="store_true",
                         help="instead of the grid: FAT5 at batch 1 on a --long-length input")
     parser.add_argument("--long-length", type=int, default=65536)
@@ -363,15 +417,19 @@ def main(argv=None) -> None:
     if not args.no_exactness:  # correctness first, and a run cut short by a time limit still has it
         exactness = TINY_SETTINGS["exactness"] if args.tiny else EXACTNESS
         try:
-            results["fp32_exactness"] = exactness_fp32(shape, device, *exactness)
+            results["fp32_exactness"] = exactness_fp32(shape, device, *exactness,
+                                                       fused="fat5-fused" in args.implementations)
         except Exception as error:  # noqa: BLE001 - recorded: the speed grid is worth its GPU time all the same
             results["fp32_exactness"] = {"error": error_summary(error)}
             release(device)
         progress(f"fp32 exactness: {results['fp32_exactness']}")
     models = build_models(shape, device, torch.float32 if args.tiny else torch.bfloat16)
+    if "fat5-fused" in args.implementations:
+        models["fat5-fused"] = fused_twin(models["fat5"])
     progress(f"models built ({'tiny, fp32, CPU' if args.tiny else 'base, bf16'})")
     if args.long:
-        names = ["fat5"] + (["transformers-dynamic"] if args.long_transformers else [])
+        names = ["fat5"] + (["fat5-fused"] if "fat5-fused" in args.implementations else [])
+        names += ["transformers-dynamic"] if args.long_transformers else []
         results["long"] = measure_shape(models, names, 1, args.long_length, args, device, progress)
     for input_length in [] if args.long else args.input_lengths:
         for batch in args.batches:

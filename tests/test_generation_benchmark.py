@@ -88,11 +88,34 @@ def test_an_implementation_out_of_memory_is_recorded_and_the_others_measured(mon
         return generate(*inputs, **options)
 
     monkeypatch.setattr(models["transformers"], "generate", generate_out_of_memory_with_a_static_cache)
-    rows = generation.measure_shape(models, generation.DEFAULT_IMPLEMENTATIONS, 2, 16,
-                                    SimpleNamespace(new_tokens=3, keep_compiled=False), "cpu", print)
+    args = SimpleNamespace(new_tokens=3, keep_compiled=False, count_kernels=False)
+    rows = generation.measure_shape(models, generation.DEFAULT_IMPLEMENTATIONS, 2, 16, args, "cpu", print)
     by_name = {row["implementation"]: row for row in rows}
     assert by_name["transformers-static"]["error"] == "OOM"
     assert "tokens_per_second" not in by_name["transformers-static"]
     assert by_name["transformers-dynamic"]["tokens_per_second"] > 0
     assert by_name["fat5"]["ids_compared_with"] == "transformers-dynamic"
     assert by_name["fat5"]["equal_token_fraction"] == 1.0
+
+
+def test_the_fused_route_is_measured_beside_the_others(tmp_path):
+    """``--implementations`` with ``fat5-fused``: its rows, its ratios beside FAT5's in one entry per shape, and its ids
+    in the fp32 check (on the CPU its twin takes the separate route: the path is what is checked here)."""
+    out = tmp_path / "fused.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        assert main(["bench", "generation", "--tiny", "--implementations", "fat5", "fat5-fused", "transformers-dynamic",
+                     "--count-kernels", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    rows = {(row["implementation"], row["batch"], row["input_length"]): row for row in results["grid"]}
+    shapes = {(batch, length) for _, batch, length in rows}
+    assert sorted(name for name, *_ in rows) == sorted(["fat5", "fat5-fused", "transformers-dynamic"] * len(shapes))
+    for (name, *_), row in rows.items():
+        assert "error" not in row and row["kernels_per_step"] is None, row  # counted on a GPU only
+        if name != "transformers-dynamic":
+            assert (row["equal_token_fraction"], row["first_divergent_step"]) == (1.0, None), row
+    assert len(results["ratios"]) == len(shapes)
+    assert all({"fat5 / transformers-dynamic", "fat5-fused / transformers-dynamic"} <= set(entry)
+               for entry in results["ratios"])
+    fused = results["fp32_exactness"]["fat5-fused"]
+    assert fused["ids_equal"] and fused["max_logit_difference"] < 1e-4
