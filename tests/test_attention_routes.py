@@ -136,6 +136,7 @@ def test_only_flash_attn_4s_own_distribution_of_the_4_0_series_counts():
     assert routes.fa4_unusable_reason(installed(None)) == "flash-attn-4 is not installed (pip install 'fat5[hopper]')"
 
 
+@pytest.mark.skipif(routes.FA4_UNUSABLE_REASON is None, reason="flash-attn-4 is installed here")
 def test_this_machine_has_no_fa4_route():
     """The CPU suite's environment has no flash-attn-4: the table is only ever asked on a GPU anyway."""
     assert routes.FA4_UNUSABLE_REASON == "flash-attn-4 is not installed (pip install 'fat5[hopper]')"
@@ -157,7 +158,7 @@ def test_cpu_tensors_take_the_reference_or_the_asked_backend(monkeypatch):
 def test_where_only_triton_can_serve_no_problem_is_described(monkeypatch):
     """Without flash-attn-4 (or with its rows off) a GPU call goes to Triton without building its problem: an eager
     step's host time is what a small model waits on."""
-    assert not routes.TABLE_DECIDES
+    monkeypatch.setattr(routes, "TABLE_DECIDES", False)
     monkeypatch.setattr(routes, "use_triton", lambda backend, tensor: True)
 
     def describe():
@@ -400,6 +401,11 @@ def test_the_custom_ops_fake_shapes_are_fa4s():
         query, key = torch.empty(2, 3, 4, 64, dtype=torch.bfloat16), torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
         out, lse = fa4_attention_forward_op(query, key, key, None, None, 3, 5, 1.0, False)
         assert out.shape == query.shape and out.dtype == torch.bfloat16
+        # a (batch, heads, length, head_dim)-contiguous query reaches FA4 as a transposed view; FA4's output is
+        # contiguous all the same, and Inductor reads it with the strides the fake gives
+        transposed = torch.empty(2, 4, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
+        out, _ = fa4_attention_forward_op(transposed, key, key, None, None, 3, 5, 1.0, False)
+        assert out.shape == transposed.shape and out.is_contiguous()
         assert lse.shape == (2, 4, 3) and lse.dtype == torch.float32
         grads = fa4_attention_backward_op(out, query, key, key, out, lse, None, None, 3, 5, 1.0, False)
         assert [g.shape for g in grads] == [query.shape, key.shape, key.shape]

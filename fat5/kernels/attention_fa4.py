@@ -69,7 +69,8 @@ def _fa4_attention_forward_fake(query, key, value, cu_seqlens_q, *_):
         lse = query.new_empty((query.shape[0], query.shape[2], query.shape[1]), dtype=torch.float32)
     else:
         lse = query.new_empty((query.shape[1], query.shape[0]), dtype=torch.float32)
-    return torch.empty_like(query), lse
+    # FA4 allocates its output afresh, contiguous, whatever the query's strides (a transposed view here)
+    return query.new_empty(query.shape), lse
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::fa4_attention_backward", mutates_args=())

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import use_triton
+from .position_bias import PositionBias
 
 # A problem's mask, as far as the choice of kernel cares:
 #   "none": every query sees every key of its row (padded rows without padding mask) or of its segment (packed)
@@ -32,7 +33,7 @@ from .dispatch import use_triton
 #   "causal_offset": any other causal problem (a query offset on the device with a static cache, unequal segments)
 #   "key_padding": padded rows with a key padding mask
 MASKINGS = ("none", "causal_aligned", "causal_offset", "key_padding")
-POSITIONS = ("none", "t5", "alibi", "bias")
+POSITIONS = PositionBias.KINDS
 ROUTE_ENVIRONMENT_VARIABLE = "FAT5_ATTENTION_ROUTE"
 FORCED_KERNELS = ("triton", "fa4")
 FA4_SERIES = (4, 0)  # pyproject.toml's hopper extra pins the same
