@@ -34,10 +34,10 @@ be installed where it runs.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -132,15 +132,13 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         environment["OMP_NUM_THREADS"] = "1"
     print(f"[{name}] {processes} process(es), {strategy or 'no accelerate config'}", flush=True)
     started = time.perf_counter()
-    # a session of its own: a run that times out is ended with every process it started (accelerate's launcher,
-    # torchrun, the ranks, their data workers); killing the launcher alone left the ranks training beside the next run
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-                           cwd=work, start_new_session=True)
+                           cwd=work)
     try:
         stdout, stderr = job.communicate(timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        stdout, stderr = job.communicate()
+        kill_with_descendants(job.pid)
+        stdout, stderr = job.communicate(timeout=60)
         print(f"[{name}] timed out after {args.run_timeout} s:\n{stderr[-3000:]}", flush=True)
         return {"error": f"timed out after {args.run_timeout} s", "processes": processes,
                 "log_tail": (stderr or stdout)[-3000:]}
@@ -172,9 +170,25 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
     }
 
 
+def kill_with_descendants(pid: int) -> None:
+    """End a timed-out run: the launcher and every process under it. Its process group is not enough: torch's
+    elastic agent starts each rank in a session of its own, and a rank left alive trains beside the next run (and
+    holds the output pipes open, so reading them would wait for it)."""
+    import psutil
+
+    launcher = psutil.Process(pid)
+    processes = [launcher, *launcher.children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
+
+
 def warning_lines(stderr: str) -> list[str]:
-    """The distinct warning lines the job printed (each rank prints its own), at most ``WARNING_LINES``."""
-    found = [line.strip() for line in stderr.splitlines() if "warn" in line.lower()]
+    """The distinct warning lines the job printed (each rank prints its own), at most ``WARNING_LINES``; Python's
+    echo of the ``warnings.warn(`` call under each is left out."""
+    found = [line.strip() for line in stderr.splitlines()
+             if "warn" in line.lower() and not line.strip().startswith("warnings.warn(")]
     return list(dict.fromkeys(found))[:WARNING_LINES]
 
 

@@ -9,7 +9,8 @@ point elsewhere are removed). Warm: the same HOME again, a new output folder. Pe
   model built); the start is the end of training less the Trainer's own ``train_runtime``, the end being the line
   that logs it;
 - training (``train_runtime``), and within it the first step of each batch shape (``first_step_seconds``: compiling
-  FAT5's Triton kernels, cold, and Inductor's graphs on a compiled path);
+  FAT5's Triton kernels, cold, and Inductor's graphs on a compiled path); "other steps" is the rest of it (the other
+  steps, any evaluation during training, logging);
 - after training: the final evaluation, the save and its check, the process's exit.
 
 Beside the runs, in fresh interpreters: ``import fat5.trainer.pretraining`` (what the job imports before its first
@@ -20,9 +21,11 @@ line) with ``-X importtime``'s slowest packages, and on a CUDA machine the first
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import tempfile
@@ -46,11 +49,16 @@ PROGRESS_BAR = re.compile(r"\d+%\|")
 
 def timed_lines(command: list[str], environment: dict, cwd: Path, timeout: float) -> tuple[list, int, float]:
     """Run ``command``; its output lines (stdout and stderr merged, progress-bar redraws split at carriage returns)
-    as ``[seconds since start, text]``, its exit status and its wall time."""
+    as ``[seconds since start, text]``, its exit status and its wall time. Past ``timeout`` seconds, silent or not,
+    the job and every process under it are killed and the benchmark stops."""
     started = time.perf_counter()
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment, cwd=cwd)
     lines, pending = [], b""
     while True:
+        ready, _, _ = select.select([job.stdout], [], [], max(0.0, timeout - (time.perf_counter() - started)))
+        if not ready:
+            kill_with_descendants(job.pid)
+            raise SystemExit(f"{' '.join(command)} ran past {timeout} s")
         chunk = os.read(job.stdout.fileno(), 65536)
         now = round(time.perf_counter() - started, 2)
         if not chunk:
@@ -58,13 +66,22 @@ def timed_lines(command: list[str], environment: dict, cwd: Path, timeout: float
         pending += chunk
         *complete, pending = re.split(rb"[\r\n]", pending)
         lines += [[now, piece.decode(errors="replace").strip()] for piece in complete if piece.strip()]
-        if now > timeout:
-            job.kill()
-            raise SystemExit(f"{' '.join(command)} ran past {timeout} s")
     if pending.strip():
         lines.append([round(time.perf_counter() - started, 2), pending.decode(errors="replace").strip()])
     status = job.wait()
     return lines, status, round(time.perf_counter() - started, 2)
+
+
+def kill_with_descendants(pid: int) -> None:
+    """The job and every process under it (the tokenizer's trainer, data workers)."""
+    import psutil
+
+    job = psutil.Process(pid)
+    processes = [job, *job.children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
 
 
 def job_environment(home: Path) -> dict:

@@ -3,6 +3,7 @@ split at carriage returns), cold runs kept away from caches outside their fresh 
 packages read from ``-X importtime``."""
 
 import sys
+import time
 
 import pytest
 from helpers import benchmark_module
@@ -21,6 +22,14 @@ def test_each_line_is_stamped_when_it_arrives(quick_start, tmp_path):
     assert [text for _, text in lines] == ["first", "bar 50%|", "bar 100%|", "last"]
     stamps = [stamp for stamp, _ in lines]
     assert stamps[1] - stamps[0] >= 0.5 and stamps[3] - stamps[2] >= 0.5 and stamps[3] <= wall
+
+
+def test_a_silent_job_past_its_timeout_is_ended(quick_start, tmp_path):
+    program = "import time\ntime.sleep(60)\n"
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match="ran past 1"):
+        quick_start.timed_lines([sys.executable, "-c", program], None, tmp_path, timeout=1)
+    assert time.perf_counter() - started < 30
 
 
 def test_a_cold_run_sees_only_its_own_home(quick_start, tmp_path, monkeypatch):
