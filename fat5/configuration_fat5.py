@@ -100,7 +100,8 @@ class FAT5Config(PretrainedConfig):
             with its activation) and the residual add inside its output projection (`kernels.decode_linear`), where
             the Triton kernels run and the projections are plain `nn.Linear`s of one dtype; anything else (training,
             a prompt, an adapter, autocast, torch.compile) takes the separate route. The same greedy ids; logits
-            within rounding.
+            within rounding. Read when the model is built: pass it to ``from_pretrained(..., decode_kernels=
+            "fused")`` or set it in the config before building; changing ``model.config`` afterwards changes nothing.
         initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
             checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's
             T5 v1.1 draw, in which an untied `lm_head` has std `d_model**-0.5`, so that pretraining starts from a

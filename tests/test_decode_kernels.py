@@ -29,15 +29,17 @@ def _pair(feed_forward_proj: str, dtype: torch.dtype, device: str = "cpu"):
     return [model.to(device, dtype).eval() for model in models]
 
 
-def _counted(monkeypatch, module, calls: list) -> None:
-    """Count the calls of ``module``'s fused projection."""
-    original = module.rms_norm_linear
+def _counted(monkeypatch, module, calls: list, residual_calls: list) -> None:
+    """Count the calls of ``module``'s fused projections: the normed ones (their input's shape in ``calls``) and
+    the output projections with their residual (in ``residual_calls``)."""
+    for name, found in (("rms_norm_linear", calls), ("linear_residual", residual_calls)):
+        original = getattr(module, name)
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
+        def counting(*args, _original=original, _found=found, **kwargs):
+            _found.append(args[0].shape)
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(module, "rms_norm_linear", counting)
+        monkeypatch.setattr(module, name, counting)
 
 
 def _generate(model, graphed: str, device: str = "cpu", **options):
@@ -49,12 +51,12 @@ def _generate(model, graphed: str, device: str = "cpu", **options):
 
 def _check_same_decoding(monkeypatch, feed_forward_proj, dtype, graphed, device="cpu", **options):
     separate, fused = _pair(feed_forward_proj, dtype, device)
-    calls = []
-    _counted(monkeypatch, fat5.modeling_fat5 if graphed == "never" else fat5.graphed_decoding, calls)
+    calls, residual_calls = [], []
+    _counted(monkeypatch, fat5.modeling_fat5 if graphed == "never" else fat5.graphed_decoding, calls, residual_calls)
     expected = _generate(separate, graphed, device, **options)
-    assert not calls, "the separate route ran a fused projection"
+    assert not calls and not residual_calls, "the separate route ran a fused projection"
     actual = _generate(fused, graphed, device, **options)
-    assert calls, "the fused route never ran its kernels"
+    assert calls and residual_calls, "the fused route did not run both of its kernels"
     assert all(shape[-2] == 1 or len(shape) == 2 for shape in calls), "a prompt went through the fused route"
     if dtype != torch.bfloat16:
         assert torch.equal(actual.sequences, expected.sequences)
@@ -96,12 +98,12 @@ def test_fused_decoding_gives_the_separate_routes_ids_fp16(monkeypatch):
 def test_training_and_the_prompt_keep_the_separate_route(monkeypatch):
     """A forward with labels (grad, training) under "fused" computes what "separate" computes, without the kernels."""
     separate, fused = _pair("gated-gelu", torch.float32)
-    calls = []
-    _counted(monkeypatch, fat5.modeling_fat5, calls)
+    calls, residual_calls = [], []
+    _counted(monkeypatch, fat5.modeling_fat5, calls, residual_calls)
     input_ids, attention_mask, labels = padded_batch()
     losses = [model.train()(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
               for model in (separate, fused)]
-    assert not calls
+    assert not calls and not residual_calls
     assert torch.equal(losses[0], losses[1])
 
 

@@ -52,8 +52,9 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
         ddp_find_unused_parameters: False by default here (transformers: True for a model without activation
             checkpointing). Every parameter of a FAT5 model that requires a gradient takes part in every step, so
             DDP's search for unused ones after each forward (a walk of the autograd graph) is pure cost; a model
-            that does leave one unused fails at its second step with DDP's error naming the parameter, never
-            silently. Set it true for such a model.
+            that does leave one unused fails at its second step with DDP's error listing the indices of the
+            parameters that got no gradient (their names with ``TORCH_DISTRIBUTED_DEBUG=INFO``), never silently.
+            Set it true for such a model.
     """
 
     logging_nan_inf_filter: bool = field(
