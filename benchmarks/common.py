@@ -1,6 +1,7 @@
 """What every benchmark shares: the machine and versions it ran on, and how results are written."""
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -124,6 +125,20 @@ def cold_graph_ms(function, leaves, repeats=100) -> float:
     for leaf in leaves:
         leaf.grad = None
     return sorted(start.elapsed_time(end) for start, end in events)[repeats // 2]
+
+
+def kill_with_descendants(pid: int) -> None:
+    """End a job that ran past its time: the process and every process under it. Its process group is not enough:
+    torch's elastic agent starts each rank in a session of its own, and a process left alive runs on beside the next
+    job (and holds the job's output pipes open, so reading them would wait for it)."""
+    import psutil
+
+    job = psutil.Process(pid)
+    processes = [job, *job.children(recursive=True)]
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:

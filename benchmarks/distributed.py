@@ -35,7 +35,6 @@ be installed where it runs.
 """
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -151,6 +150,8 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
     try:
         stdout, stderr = job.communicate(timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
+        from common import kill_with_descendants
+
         kill_with_descendants(job.pid)
         stdout, stderr = job.communicate(timeout=60)
         print(f"[{name}] timed out after {args.run_timeout} s:\n{stderr[-3000:]}", flush=True)
@@ -183,20 +184,6 @@ def launch(name: str, strategy: str | None, args, config_file: Path, work: Path)
         # the job's warnings (a shape that recompiled, a graph that could not be captured) say why a run is slow
         "warnings": warning_lines(stderr),
     }
-
-
-def kill_with_descendants(pid: int) -> None:
-    """End a timed-out run: the launcher and every process under it. Its process group is not enough: torch's
-    elastic agent starts each rank in a session of its own, and a rank left alive trains beside the next run (and
-    holds the output pipes open, so reading them would wait for it)."""
-    import psutil
-
-    launcher = psutil.Process(pid)
-    processes = [launcher, *launcher.children(recursive=True)]
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(processes, timeout=30)
 
 
 def warning_lines(stderr: str) -> list[str]:

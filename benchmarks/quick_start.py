@@ -21,7 +21,6 @@ line) with ``-X importtime``'s slowest packages, and on a CUDA machine the first
 """
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # common.py
-from common import draw_beside, markdown_table, parse_or_plot, write_result  # noqa: E402
+from common import draw_beside, kill_with_descendants, markdown_table, parse_or_plot, write_result  # noqa: E402
 
 # what the `fat5` console script runs (pyproject's [project.scripts]), so the package need not be installed
 CONSOLE_SCRIPT = "import sys, fat5_command; sys.argv[0] = 'fat5'; sys.exit(fat5_command.main())"
@@ -70,18 +69,6 @@ def timed_lines(command: list[str], environment: dict, cwd: Path, timeout: float
         lines.append([round(time.perf_counter() - started, 2), pending.decode(errors="replace").strip()])
     status = job.wait()
     return lines, status, round(time.perf_counter() - started, 2)
-
-
-def kill_with_descendants(pid: int) -> None:
-    """The job and every process under it (the tokenizer's trainer, data workers)."""
-    import psutil
-
-    job = psutil.Process(pid)
-    processes = [job, *job.children(recursive=True)]
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(processes, timeout=30)
 
 
 def job_environment(home: Path) -> dict:

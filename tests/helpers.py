@@ -98,6 +98,29 @@ SMALL_PRETRAIN = {
 FINETUNE_QUIET = {"disable_tqdm": True, "report_to": "none", "save_strategy": "no", "use_cpu": True}
 
 
+# bf16 / fp16 kernels against the fp32 reference on a GPU: ‖out − ref‖ / ‖ref‖, the output and every gradient
+GPU_TOLERANCE = 1e-2
+
+
+def cuda_leaf(*shape, std=1.0, dtype=torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * std).to(dtype).requires_grad_()
+
+
+def check_against_fp32_reference(run, inputs, backend: str = "triton", tolerance: float = GPU_TOLERANCE) -> list:
+    """``run(backend, *inputs)``: the kernel ``backend`` picks on the low-precision ``inputs``, and
+    ``run("reference", ...)`` on the same values in fp32; the output and every input's gradient within ``tolerance``.
+    Returns the relative errors (output first)."""
+    out = run(backend, *inputs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    expected = run("reference", *reference_inputs)
+    expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out.float())
+    errors = [relative_error(out, expected)] + [relative_error(g, e) for g, e in zip(grads, expected_grads)]
+    assert all(e <= tolerance for e in errors), errors
+    return errors
+
+
 def seq2seq_config(model, output_dir, lora=None, validation=True, **training) -> dict:
     """A `fat5 finetune` seq2seq config on the shipped speeches (document -> summary)."""
     return {

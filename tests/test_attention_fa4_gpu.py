@@ -4,14 +4,13 @@ routing table sends a bias-free problem to FA4, forward and dq, dk, dv."""
 
 import pytest
 import torch
-from helpers import relative_error
+from helpers import check_against_fp32_reference, cuda_leaf, relative_error
 
 from fat5.kernels import routes
 from fat5.kernels.attention import attention, attention_varlen
 from fat5.kernels.position_bias import PositionBias
 from fat5.kernels.routes import attention_kernel, packed_problem, padded_problem
 
-TOLERANCE = 1e-2  # tests/test_attention_gpu.py's
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(routes.FA4_UNUSABLE_REASON is not None, reason=f"{routes.FA4_UNUSABLE_REASON}"),
@@ -21,24 +20,6 @@ pytestmark = [
         route.enabled for route in routes.ATTENTION_ROUTES if route.kernel == "fa4"),
         reason="the FA4 rows are off until these tests pass: run them with FAT5_ATTENTION_ROUTE=fa4"),
 ]
-
-
-def leaf(*shape, std=1.0, dtype=torch.bfloat16):
-    return (torch.randn(*shape, device="cuda") * std).to(dtype).requires_grad_()
-
-
-def check_against_reference(run, inputs):
-    """``run(backend, *inputs)``: the routed kernel on the low-precision inputs, the reference on the same values
-    in fp32; the output and dq, dk, dv within TOLERANCE."""
-    out = run("auto", *inputs)
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
-    expected = run("reference", *reference_inputs)
-    expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out.float())
-    errors = [relative_error(out, expected)] + [relative_error(g, e) for g, e in zip(grads, expected_grads)]
-    assert all(e <= TOLERANCE for e in errors), errors
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -53,9 +34,9 @@ def test_padded_rows_against_the_fp32_reference(dtype, causal, query_length, key
     torch.manual_seed(0)
     batch, heads, head_dim = 2, 4, 64
     std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
-    query = leaf(batch, heads, query_length, head_dim, std=std, dtype=dtype)
-    key = leaf(batch, heads, key_length, head_dim, std=std, dtype=dtype)
-    value = leaf(batch, heads, key_length, head_dim, dtype=dtype)
+    query = cuda_leaf(batch, heads, query_length, head_dim, std=std, dtype=dtype)
+    key = cuda_leaf(batch, heads, key_length, head_dim, std=std, dtype=dtype)
+    value = cuda_leaf(batch, heads, key_length, head_dim, dtype=dtype)
     offset = key_length - query_length if causal else 0
     problem = padded_problem(query, key, "none", causal, None, offset, 0.0)
     assert attention_kernel("auto", query, lambda: problem) == "fa4"
@@ -63,7 +44,7 @@ def test_padded_rows_against_the_fp32_reference(dtype, causal, query_length, key
     def run(backend, q, k, v):
         return attention(q, k, v, causal=causal, query_offset=offset, backend=backend)
 
-    check_against_reference(run, [query, key, value])
+    check_against_fp32_reference(run, [query, key, value], backend="auto")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -74,8 +55,8 @@ def test_packed_rows_against_the_fp32_reference(causal):
     lengths = [1000, 37, 0, 513, 2048, 1]
     cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
     total = sum(lengths)
-    query, key = leaf(total, heads, head_dim, std=0.35), leaf(total, heads, head_dim, std=0.35)
-    value = leaf(total, heads, head_dim)
+    query, key = cuda_leaf(total, heads, head_dim, std=0.35), cuda_leaf(total, heads, head_dim, std=0.35)
+    value = cuda_leaf(total, heads, head_dim)
     problem = packed_problem(query, cu_seqlens, cu_seqlens, max(lengths), "none", causal, 0, 0.0)
     assert attention_kernel("auto", query, lambda: problem) == "fa4"
 
@@ -83,7 +64,7 @@ def test_packed_rows_against_the_fp32_reference(causal):
         return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
                                 backend=backend)
 
-    check_against_reference(run, [query, key, value])
+    check_against_fp32_reference(run, [query, key, value], backend="auto")
 
 
 def test_packed_cross_attention_with_an_empty_key_segment_gives_zeros():
@@ -94,15 +75,15 @@ def test_packed_cross_attention_with_an_empty_key_segment_gives_zeros():
     query_lengths, key_lengths = [300, 40, 100], [1024, 0, 512]
     cu_seqlens_q = torch.tensor([0, 300, 340, 440], dtype=torch.int32, device="cuda")
     cu_seqlens_k = torch.tensor([0, 1024, 1024, 1536], dtype=torch.int32, device="cuda")
-    query = leaf(sum(query_lengths), heads, head_dim, std=0.35)
-    key, value = leaf(sum(key_lengths), heads, head_dim, std=0.35), leaf(sum(key_lengths), heads, head_dim)
+    query = cuda_leaf(sum(query_lengths), heads, head_dim, std=0.35)
+    key, value = cuda_leaf(sum(key_lengths), heads, head_dim, std=0.35), cuda_leaf(sum(key_lengths), heads, head_dim)
 
     def run(backend, q, k, v):
         return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(query_lengths), max(key_lengths),
                                 backend=backend)
 
-    out = check_against_reference(run, [query, key, value])
-    assert not out[300:340].any()
+    check_against_fp32_reference(run, [query, key, value], backend="auto")
+    assert not run("auto", query, key, value)[300:340].any()
 
 
 def test_a_bias_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton():
@@ -121,7 +102,7 @@ def test_a_bias_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton()
 def test_torch_compile_fullgraph_with_inductor():
     """The custom ops: no graph break, the same loss and gradients as FA4's own autograd.Function eagerly."""
     torch.manual_seed(5)
-    query, key, value = (leaf(2, 4, 1024, 64, std=0.35) for _ in range(3))
+    query, key, value = (cuda_leaf(2, 4, 1024, 64, std=0.35) for _ in range(3))
 
     def step(q, k, v):
         return attention(q * 1.0, k, v, causal=True).float().square().mean()
@@ -139,7 +120,7 @@ def test_forward_and_backward_replay_from_a_cuda_graph():
     """A training step captured once (FA4 compiles its kernels on the first, eager, call) replays the eager
     results."""
     torch.manual_seed(6)
-    query, key, value = (leaf(2, 4, 512, 64, std=0.35) for _ in range(3))
+    query, key, value = (cuda_leaf(2, 4, 512, 64, std=0.35) for _ in range(3))
     grad_out = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
 
     def step():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import relative_error
+from helpers import GPU_TOLERANCE, check_against_fp32_reference, cuda_leaf, relative_error
 
 from fat5.kernels import attention_triton
 from fat5.kernels.attention import attention, attention_varlen
@@ -10,24 +10,6 @@ from fat5.kernels.attention_triton import t5_relative_buckets
 from fat5.kernels.position_bias import PositionBias, alibi_slopes, t5_relative_bucket
 
 pytestmark = pytest.mark.gpu
-TOLERANCE = 1e-2
-
-
-def leaf(*shape, std=1.0, dtype=torch.bfloat16):
-    return (torch.randn(*shape, device="cuda") * std).to(dtype).requires_grad_()
-
-
-def check_against_reference(run, inputs, tolerance=TOLERANCE):
-    """``run(backend, *inputs)``: the kernel on the bf16 inputs, the reference on the same values in fp32."""
-    out = run("triton", *inputs)
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    reference_inputs = [t.detach().float().requires_grad_() for t in inputs]
-    expected = run("reference", *reference_inputs)
-    expected_grads = torch.autograd.grad(expected, reference_inputs, grad_out.float())
-    errors = [relative_error(out, expected)] + [relative_error(g, e) for g, e in zip(grads, expected_grads)]
-    assert all(e <= tolerance for e in errors), errors
-    return errors
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -59,13 +41,13 @@ def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, qu
     torch.manual_seed(0)
     batch, heads = 2, 4
     std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
-    query = leaf(batch, heads, query_length, head_dim, std=std)
-    key = leaf(batch, heads, key_length, head_dim, std=std)
-    value = leaf(batch, heads, key_length, head_dim)
+    query = cuda_leaf(batch, heads, query_length, head_dim, std=std)
+    key = cuda_leaf(batch, heads, key_length, head_dim, std=std)
+    value = cuda_leaf(batch, heads, key_length, head_dim)
     mask = torch.rand(batch, key_length, device="cuda") > 0.1
-    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+    table = cuda_leaf(32, heads, std=2.0, dtype=torch.float32)
     slopes = alibi_slopes(heads).cuda()
-    bias = leaf(1, heads, query_length, key_length, std=2.0, dtype=torch.float32)
+    bias = cuda_leaf(1, heads, query_length, key_length, std=2.0, dtype=torch.float32)
     position = {"t5": [table], "bias": [bias]}.get(position_encoding, [])
 
     def run(backend, q, k, v, *position_tensor):
@@ -78,7 +60,7 @@ def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, qu
         return attention(q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
                          position_bias=position_bias, backend=backend)
 
-    check_against_reference(run, [query, key, value, *position])
+    check_against_fp32_reference(run, [query, key, value, *position])
 
 
 @pytest.mark.parametrize("architecture", ["sm80", "sm90"])
@@ -92,17 +74,17 @@ def test_every_architectures_tiles_against_the_fp32_reference(monkeypatch, archi
     batch, heads = 2, 3
     query_length, key_length, query_offset = (300, 1100, 800) if causal else (1000, 1100, 0)
     std = head_dim**-0.25
-    query = leaf(batch, heads, query_length, head_dim, std=std)
-    key = leaf(batch, heads, key_length, head_dim, std=std)
-    value = leaf(batch, heads, key_length, head_dim)
+    query = cuda_leaf(batch, heads, query_length, head_dim, std=std)
+    key = cuda_leaf(batch, heads, key_length, head_dim, std=std)
+    value = cuda_leaf(batch, heads, key_length, head_dim)
     mask = torch.rand(batch, key_length, device="cuda") > 0.1
-    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+    table = cuda_leaf(32, heads, std=2.0, dtype=torch.float32)
 
     def run(backend, q, k, v, position_table):
         return attention(q, k, v, causal=causal, key_padding_mask=mask, query_offset=query_offset,
                          position_bias=PositionBias.t5(position_table, bidirectional=not causal), backend=backend)
 
-    check_against_reference(run, [query, key, value, table])
+    check_against_fp32_reference(run, [query, key, value, table])
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -112,30 +94,30 @@ def test_varlen_bf16_several_segments(causal):
     lengths = [1000, 37, 513, 2048, 1]
     cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
     total = sum(lengths)
-    query, key = leaf(total, heads, head_dim, std=0.35), leaf(total, heads, head_dim, std=0.35)
-    value = leaf(total, heads, head_dim)
-    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+    query, key = cuda_leaf(total, heads, head_dim, std=0.35), cuda_leaf(total, heads, head_dim, std=0.35)
+    value = cuda_leaf(total, heads, head_dim)
+    table = cuda_leaf(32, heads, std=2.0, dtype=torch.float32)
 
     def run(backend, q, k, v, t):
         return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
                                 position_bias=PositionBias.t5(t, bidirectional=not causal), backend=backend)
 
-    check_against_reference(run, [query, key, value, table])
+    check_against_fp32_reference(run, [query, key, value, table])
 
 
 @pytest.mark.parametrize("cache", [4096, 32768])
 def test_decoding_against_a_long_cache(cache):
     torch.manual_seed(2)
     batch, heads, head_dim = 2, 12, 64
-    query = leaf(batch, heads, 1, head_dim, std=0.35)
-    key, value = leaf(batch, heads, cache, head_dim, std=0.35), leaf(batch, heads, cache, head_dim)
-    table = leaf(32, heads, std=2.0, dtype=torch.float32)
+    query = cuda_leaf(batch, heads, 1, head_dim, std=0.35)
+    key, value = cuda_leaf(batch, heads, cache, head_dim, std=0.35), cuda_leaf(batch, heads, cache, head_dim)
+    table = cuda_leaf(32, heads, std=2.0, dtype=torch.float32)
 
     def run(backend, q, k, v, t):
         return attention(q, k, v, causal=True, query_offset=cache - 1,
                          position_bias=PositionBias.t5(t, bidirectional=False), backend=backend)
 
-    check_against_reference(run, [query, key, value, table])
+    check_against_fp32_reference(run, [query, key, value, table])
 
 
 def test_one_cuda_graph_decodes_every_position():
@@ -165,7 +147,7 @@ def test_one_cuda_graph_decodes_every_position():
             graph.replay()
             expected = attention(query.float(), key.float(), value.float(), query_offset=current, backend="reference",
                                  **options)
-            assert relative_error(out, expected) < TOLERANCE, current
+            assert relative_error(out, expected) < GPU_TOLERANCE, current
 
 
 @pytest.mark.parametrize("deterministic_algorithms", [False, True])
@@ -173,8 +155,8 @@ def test_gradients_are_bitwise_reproducible(deterministic_algorithms):
     """dk, dv and the table gradient never depend on scheduling; dq does (fp32 atomics, as FlashAttention-2)
     unless PyTorch is asked for deterministic algorithms, which gives dq its own kernel."""
     torch.manual_seed(3)
-    query, key, value = (leaf(2, 12, 2048, 64, std=0.35) for _ in range(3))
-    table = leaf(32, 12, dtype=torch.float32)
+    query, key, value = (cuda_leaf(2, 12, 2048, 64, std=0.35) for _ in range(3))
+    table = cuda_leaf(32, 12, dtype=torch.float32)
     torch.use_deterministic_algorithms(deterministic_algorithms)
     try:
         grads = []
@@ -193,20 +175,20 @@ def test_gradients_are_bitwise_reproducible(deterministic_algorithms):
 
 def test_fp32_inputs_are_accepted():
     torch.manual_seed(4)
-    query, key, value = (leaf(1, 2, 300, 64, std=0.35, dtype=torch.float32) for _ in range(3))
-    table = leaf(32, 2, dtype=torch.float32)
+    query, key, value = (cuda_leaf(1, 2, 300, 64, std=0.35, dtype=torch.float32) for _ in range(3))
+    table = cuda_leaf(32, 2, dtype=torch.float32)
 
     def run(backend, q, k, v, t):
         return attention(q, k, v, position_bias=PositionBias.t5(t), backend=backend)
 
-    errors = check_against_reference(run, [query, key, value, table], tolerance=1e-4)
+    errors = check_against_fp32_reference(run, [query, key, value, table], tolerance=1e-4)
     assert max(errors) <= 1e-4
 
 
 def test_torch_compile_fullgraph_with_inductor():
     torch.manual_seed(5)
-    query, key, value = (leaf(2, 4, 1024, 64, std=0.35) for _ in range(3))
-    table = leaf(32, 4, dtype=torch.float32)
+    query, key, value = (cuda_leaf(2, 4, 1024, 64, std=0.35) for _ in range(3))
+    table = cuda_leaf(32, 4, dtype=torch.float32)
 
     def step(q, k, v, t):
         out = attention(q * 1.0, k, v, position_bias=PositionBias.t5(t, bidirectional=False), causal=True,
