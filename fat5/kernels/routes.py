@@ -158,9 +158,14 @@ def kernel_available(kernel: str) -> bool:
     return kernel == "triton" or (kernel == "fa4" and FA4_UNUSABLE_REASON is None)
 
 
-# whether a row beside Triton's could serve here (on, or turned on by FAT5_ATTENTION_ROUTE, and its kernel installed)
+def route_on(route: AttentionRoute, forced: str | None) -> bool:
+    """Whether a row takes part: enabled, or its kernel's rows turned on by ``FAT5_ATTENTION_ROUTE``."""
+    return route.enabled or route.kernel == forced
+
+
+# whether a row beside Triton's could serve here (on, and its kernel installed)
 TABLE_DECIDES = FORCED_KERNEL != "triton" and any(
-    (route.enabled or FORCED_KERNEL == route.kernel) and kernel_available(route.kernel)
+    route_on(route, FORCED_KERNEL) and kernel_available(route.kernel)
     for route in ATTENTION_ROUTES if route.kernel != "triton"
 )
 
@@ -187,8 +192,7 @@ def table_kernel(problem: AttentionProblem, *, forced: str | None = FORCED_KERNE
     if forced == "triton":
         return "triton"
     for route in ATTENTION_ROUTES:
-        on = route.enabled or (forced == "fa4" and route.kernel == "fa4")
-        if on and available(route.kernel) and route.covers(problem):
+        if route_on(route, forced) and available(route.kernel) and route.covers(problem):
             return route.kernel
     raise LookupError(f"no route of ATTENTION_ROUTES covers {problem}: its last row must cover every problem")
 
