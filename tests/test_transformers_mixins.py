@@ -20,8 +20,10 @@ the kinds in FAT5_ONLY_SKIPS, with the reason why.
 
 import importlib.util
 import os
+import shutil
 import sys
 import tarfile
+import tempfile
 import types
 import unittest
 from pathlib import Path
@@ -65,9 +67,16 @@ def _sdist_tests_folder() -> Path | None:
         return None
     target = archive.parent / "extracted"
     if not (target / name / "tests").is_dir():
+        # pytest-xdist's workers all import this module at once: each extracts into a folder of its own and renames
+        # it into place, so none reads a file another is still writing
+        scratch = Path(tempfile.mkdtemp(prefix="extracting-", dir=archive.parent))
         with tarfile.open(archive) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(f"{name}/tests/")]
-            tar.extractall(target, members=members, filter="data")
+            tar.extractall(scratch, members=members, filter="data")
+        try:
+            scratch.rename(target)
+        except OSError:  # another worker's rename came first: its tree is complete
+            shutil.rmtree(scratch)
     return target / name / "tests"
 
 
