@@ -19,6 +19,12 @@ out-of-memory error, or any other, is recorded in the row and the run goes on. E
 with transformers' (static cache if measured): the fraction of equal tokens and the first step where a row differs. In
 bf16 random weights give nearly flat logits, where one rounding flips a greedy choice, so the exact check runs in fp32:
 both models in fp32, batch 4, input 512, 32 new tokens, their ids must be equal (``--no-exactness`` skips it).
+Each row also says how near the step is to its floor: ``step_mb``, the bytes a decoding step must read at the least
+(:func:`decode_step_bytes`: the decoder's and output layer's weights, every layer's cached cross-attention keys and
+values and the self-attention cache so far), ``floor_ms``, the time those bytes take at the device's memory bandwidth
+(given with ``--bandwidth-tb-s``, else that of a device-to-device copy measured at the start of the run, kept as
+``copy_bandwidth_tb_s`` in the run's environment), and ``floor_fraction``, ``floor_ms`` over ``decode_ms_per_step``
+(1.0: the step runs at the memory's pace; 0.4: it takes 2.5 times the floor).
 ``--count-kernels`` adds ``kernels_per_step`` to each row: the profiler's count of GPU kernels in a call of
 ``--new-tokens`` less that of the time-to-first-token call, over the steps between (kernels replayed from a CUDA
 graph count one by one).
@@ -75,8 +81,9 @@ TINY_SETTINGS = {"batches": [1, 2], "input_lengths": [16, 24], "new_tokens": 4, 
                  "exactness": (2, 16, 4)}
 EXACTNESS = (4, 512, 32)  # batch, input length, new tokens of the fp32 check
 GRID_COLUMNS = ["implementation", "batch", "input_length", "tokens_per_second", "ms_per_step", "decode_ms_per_step",
-                "time_to_first_token_ms", "first_call_s", "peak_gib", "equal_token_fraction",
-                "first_divergent_step", "error"]
+                "floor_ms", "floor_fraction", "time_to_first_token_ms", "first_call_s", "peak_gib",
+                "equal_token_fraction", "first_divergent_step", "error"]
+COPIED_BYTES = 2**30  # per copy of the bandwidth measurement: far beyond any GPU's L2 cache
 
 
 class Progress:
@@ -125,6 +132,56 @@ def time_generation(model, ids, options: dict, device: str) -> tuple[dict, torch
     return row, sequences[:, -new_tokens:].cpu()
 
 
+def decode_step_bytes(config, batch: int, input_length: int, new_tokens: int, element_bytes: int) -> int:
+    """The bytes a decoding step of T5 ``config``'s decoder must read at the least, averaged over the steps that
+    ``decode_ms_per_step`` times (all but the first): the decoder's weights (cross-attention's key and value
+    projections left out: every implementation measured projects the encoder's output with them once, before the
+    steps), the output layer's and the tokens' embedding rows; per sequence, every layer's cached cross-attention keys
+    and values and its self-attention cache filled so far (step t, counted from 0, reads t + 1 positions, so the steps
+    1 .. new_tokens - 1 read (new_tokens + 2) / 2 on average). Logits and cache writes are a few kilobytes: left out."""
+    d_model, inner, layers = config.d_model, config.num_heads * config.d_kv, config.num_decoder_layers
+    feed_forward_inputs = 2 if config.is_gated_act else 1
+    attention = 3 * d_model * inner + inner * d_model + d_model * inner + inner * d_model  # qkv, o; cross q, o
+    per_layer = attention + (feed_forward_inputs + 1) * d_model * config.d_ff + 3 * d_model  # + three norms
+    bias_table = config.relative_attention_num_buckets * config.num_heads
+    weights = layers * per_layer + d_model + bias_table + config.vocab_size * d_model + batch * d_model
+    cached_positions = input_length + (new_tokens + 2) / 2
+    caches = batch * layers * 2 * inner * cached_positions
+    return round((weights + caches) * element_bytes)
+
+
+def copy_bandwidth_tb_s(device: str) -> float | None:
+    """The device memory's pace in TB/s: a device-to-device copy of ``COPIED_BYTES`` (read once, written once), the
+    best of 10 after a warm-up. The floor is taken at this pace, which no decoding kernel beats by much; None off
+    the GPU."""
+    if device != "cuda":
+        return None
+    source = torch.empty(COPIED_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    seconds = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del source, target
+    torch.cuda.empty_cache()
+    return round(2 * COPIED_BYTES / min(seconds) / 1e12, 3)
+
+
+def bandwidth_floor(model, batch: int, input_length: int, new_tokens: int, bandwidth_tb_s: float | None,
+                    decode_ms: float | None) -> dict:
+    """A row's ``step_mb``, ``floor_ms`` and ``floor_fraction`` (see the module's docstring); the last two None
+    without a bandwidth, the fraction None without a positive step time."""
+    step_bytes = decode_step_bytes(model.config, batch, input_length, new_tokens, model.dtype.itemsize)
+    floor_ms = None if bandwidth_tb_s is None else float(f"{step_bytes / (bandwidth_tb_s * 1e12) * 1e3:.4g}")
+    fraction = float(f"{floor_ms / decode_ms:.3g}") if floor_ms is not None and decode_ms and decode_ms > 0 else None
+    return {"step_mb": round(step_bytes / 1e6, 3), "floor_ms": floor_ms, "floor_fraction": fraction}
+
+
 def kernels_per_step(model, ids, options: dict, device: str) -> float | None:
     """GPU kernels launched by one decoding step: a call of ``options``' new tokens less a call of one new token (the
     encoder, the first step and the set-up cancel), over the steps between; both calls already warm (compiled,
@@ -164,9 +221,9 @@ def error_summary(error: Exception) -> str:
 
 
 def measure_shape(models: dict, implementations: list[str], batch: int, input_length: int, args, device: str,
-                  progress: Progress) -> list[dict]:
-    """One row per implementation at (batch, input length), errors recorded in the row; ids compared at the end
-    (``args``: the script's, for --new-tokens and --keep-compiled)."""
+                  progress: Progress, bandwidth_tb_s: float | None = None) -> list[dict]:
+    """One row per implementation at (batch, input length), errors recorded in the row, the floor taken at
+    ``bandwidth_tb_s``; ids compared at the end (``args``: the script's, for --new-tokens and --keep-compiled)."""
     generator = torch.Generator().manual_seed(1000 * batch + input_length)
     vocab_size = models["fat5"].config.vocab_size
     ids = torch.randint(2, vocab_size - 1, (batch, input_length), generator=generator).to(device)
@@ -181,6 +238,8 @@ def measure_shape(models: dict, implementations: list[str], batch: int, input_le
         try:
             measured, sequences[name] = time_generation(models[model_name], ids, options, device)
             row.update(measured)
+            row.update(bandwidth_floor(models[model_name], batch, input_length, new_tokens, bandwidth_tb_s,
+                                       measured["decode_ms_per_step"]))
             if args.count_kernels:
                 row["kernels_per_step"] = kernels_per_step(models[model_name], ids, options, device)
         except Exception as error:  # noqa: BLE001 - recorded: one failing shape must not cost the others
@@ -368,6 +427,9 @@ def parse_arguments(argv=None) -> argparse.Namespace | None:
     parser.add_argument("--no-exactness", action="store_true", help="skip the fp32 ids check (in all calls but one)")
     parser.add_argument("--count-kernels", action="store_true",
                         help="add kernels_per_step to each row (GPU only: profiles two more calls a row)")
+    parser.add_argument("--bandwidth-tb-s", type=float,
+                        help="the memory bandwidth (TB/s) the rows' floor is taken at (default: measured on the GPU "
+                             "at the start of the run; on a CPU no floor unless given)")
     parser.add_argument("--long", action="store_true",
                         help="instead of the grid: FAT5 at batch 1 on a --long-length input")
     parser.add_argument("--long-length", type=int, default=65536)
@@ -386,6 +448,8 @@ def parse_arguments(argv=None) -> argparse.Namespace | None:
         args.new_tokens, args.long_length = TINY_SETTINGS["new_tokens"], TINY_SETTINGS["long_length"]
     if min(args.batches + args.input_lengths + [args.new_tokens, args.long_length]) < 1:
         parser.error("--batches, --input-lengths, --new-tokens and --long-length take positive numbers")
+    if args.bandwidth_tb_s is not None and args.bandwidth_tb_s <= 0:
+        parser.error(f"--bandwidth-tb-s takes a positive number of TB/s, not {args.bandwidth_tb_s}")
     if args.merge and args.out in args.merge:
         parser.error("--merge writes a new file: give an --out that is not one of the merged files")
     if args.long_transformers and not args.long:
@@ -413,6 +477,9 @@ def main(argv=None) -> None:
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny to check the path on a CPU")
     progress, shape, run = Progress(), TINY if args.tiny else BASE, environment()
+    run["copy_bandwidth_tb_s"] = copy_bandwidth_tb_s(device)
+    bandwidth = args.bandwidth_tb_s or run["copy_bandwidth_tb_s"]
+    progress(f"device-to-device copy: {run['copy_bandwidth_tb_s']} TB/s; floors taken at {bandwidth} TB/s")
     results = {"grid": [], "long": [], "fp32_exactness": None}
     if not args.no_exactness:  # correctness first, and a run cut short by a time limit still has it
         exactness = TINY_SETTINGS["exactness"] if args.tiny else EXACTNESS
@@ -430,11 +497,11 @@ def main(argv=None) -> None:
     if args.long:
         names = ["fat5"] + (["fat5-fused"] if "fat5-fused" in args.implementations else [])
         names += ["transformers-dynamic"] if args.long_transformers else []
-        results["long"] = measure_shape(models, names, 1, args.long_length, args, device, progress)
+        results["long"] = measure_shape(models, names, 1, args.long_length, args, device, progress, bandwidth)
     for input_length in [] if args.long else args.input_lengths:
         for batch in args.batches:
             results["grid"] += measure_shape(models, args.implementations, batch, input_length, args, device,
-                                             progress)
+                                             progress, bandwidth)
             save(args, results, run)
     document = save(args, results, run)
     draw_beside(plot, document, args.out)

@@ -19,7 +19,8 @@ def tiny_result(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generation")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
-        assert main(["bench", "generation", "--tiny", "--out", str(folder / "grid.json")]) == 0
+        assert main(["bench", "generation", "--tiny", "--bandwidth-tb-s", "0.05",
+                     "--out", str(folder / "grid.json")]) == 0
         assert main(["bench", "generation", "--tiny", "--long", "--long-transformers", "--no-exactness",
                      "--out", str(folder / "long.json")]) == 0
     assert main(["bench", "generation", "--merge", str(folder / "grid.json"), str(folder / "long.json"),
@@ -45,6 +46,64 @@ def test_every_grid_row_is_measured_and_fat5_decodes_transformers_ids(tiny_resul
             assert (row["equal_token_fraction"], row["first_divergent_step"]) == (1.0, None), row
     exactness = document["results"]["fp32_exactness"]
     assert exactness["ids_equal"] and exactness["max_logit_difference"] < 1e-4
+
+
+def test_each_row_says_its_bandwidth_floor(tiny_result):
+    """The grid ran with a given bandwidth: every row has its floor, the time its bytes take at that pace; the long
+    input's run had none (a CPU measures no bandwidth), so its rows say their bytes only."""
+    _, document = tiny_result
+    for row in document["results"]["grid"]:
+        assert row["floor_ms"] == pytest.approx(row["step_mb"] * 1e6 / 0.05e12 * 1e3, rel=1e-2), row
+        if row["decode_ms_per_step"] > 0:
+            assert row["floor_fraction"] == pytest.approx(row["floor_ms"] / row["decode_ms_per_step"], rel=1e-2)
+    for row in document["results"]["long"]:
+        assert row["step_mb"] > 0 and row["floor_ms"] is None and row["floor_fraction"] is None, row
+    assert [run["copy_bandwidth_tb_s"] for run in document["runs"]] == [None, None]
+
+
+@pytest.mark.parametrize("feed_forward_proj", ["gated-gelu", "relu"])
+def test_step_bytes_count_what_transformers_t5_reads_in_a_step(feed_forward_proj):
+    """The bytes are counted from the config; the truth is transformers' T5 itself: its decoder's parameters but the
+    embedding table (a step reads one row per sequence) and cross-attention's key and value projections (applied
+    once, before the steps), its output layer (read whole at every step, tied to the embedding or not), and the
+    caches a step reads, counted by hand."""
+    from helpers import benchmark_module
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    generation = benchmark_module("generation")
+    config = T5Config(d_model=48, d_kv=8, num_heads=3, d_ff=80, num_layers=2, num_decoder_layers=3, vocab_size=300,
+                      feed_forward_proj=feed_forward_proj, tie_word_embeddings=False)
+    t5 = T5ForConditionalGeneration(config)
+    decoder = {name: parameter.numel() for name, parameter in t5.decoder.named_parameters()
+               if not name.startswith("embed_tokens")
+               and not name.endswith(("EncDecAttention.k.weight", "EncDecAttention.v.weight"))}
+    assert len(decoder) == 3 * (4 + 2 + 3 + (3 if feed_forward_proj == "gated-gelu" else 2)) + 1 + 1  # + table, norm
+    batch, input_length, new_tokens = 5, 70, 9
+    embedding_rows = batch * 48
+    # steps 1..8 read positions 0..t of the self-attention cache: 2..9 positions, 5.5 on average
+    caches = batch * 3 * 2 * (3 * 8) * (input_length + 5.5)
+    expected = 2 * (sum(decoder.values()) + t5.lm_head.weight.numel() + embedding_rows + caches)
+    assert generation.decode_step_bytes(config, batch, input_length, new_tokens, element_bytes=2) == expected
+
+
+def test_the_issues_floor_of_the_base_shape():
+    """The figures the decoding issue counted by hand for the T5 v1.1-base shape in bf16 at 512 input tokens: about
+    248 MB of weights and 19 MB of cross-attention cache per sequence, 0.089 / 0.28 / 0.89 ms at batch 1 / 32 / 128
+    and 3.0 TB/s. That count leaves out the self-attention cache, which two new tokens make negligible (at 128 new
+    tokens it adds 2.4 MB per sequence, 8% at batch 32)."""
+    from types import SimpleNamespace
+
+    import torch
+    from helpers import benchmark_module
+
+    from fat5 import FAT5Config
+
+    generation = benchmark_module("generation")
+    model = SimpleNamespace(config=FAT5Config(**generation.BASE, feed_forward_proj="gated-gelu"), dtype=torch.bfloat16)
+    floors = [generation.bandwidth_floor(model, batch, 512, 2, 3.0, decode_ms=1.0)["floor_ms"]
+              for batch in (1, 32, 128)]
+    assert floors == pytest.approx([0.089, 0.28, 0.89], rel=0.03)
+    assert generation.bandwidth_floor(model, 1, 512, 128, None, decode_ms=1.0)["floor_ms"] is None
 
 
 def test_ratios_are_fat5_over_transformers_of_the_same_shape(tiny_result):
