@@ -407,8 +407,8 @@ def print_tables(results: dict) -> None:
     columns = GRID_COLUMNS + (["kernels_per_step"] if counted else [])
     print(markdown_table(blank_nones(results["grid"]), columns))
     if results["ratios"]:
-        columns = list(dict.fromkeys(key for entry in results["ratios"] for key in entry if "/" in key))
-        print("\n" + markdown_table(results["ratios"], ["batch", "input_length", *columns]))
+        ratios = list(dict.fromkeys(key for entry in results["ratios"] for key in entry if "/" in key))
+        print("\n" + markdown_table(results["ratios"], ["batch", "input_length", *ratios]))
     if results["long"]:
         print("\n" + markdown_table(blank_nones(results["long"]), columns))
     if results["fp32_exactness"]:

@@ -61,6 +61,18 @@ def test_each_row_says_its_bandwidth_floor(tiny_result):
     assert [run["copy_bandwidth_tb_s"] for run in document["runs"]] == [None, None]
 
 
+def test_the_printed_tables_show_each_table_its_own_columns(tiny_result, capsys):
+    """A merged file's tables: the grid, the ratios, the long input's rows with the grid's columns (its speed and
+    floor), not the ratios' names."""
+    from helpers import benchmark_module
+
+    _, document = tiny_result
+    benchmark_module("generation").print_tables(document["results"])
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| implementation")]
+    assert len(headers) == 2 and headers[0] == headers[1]
+    assert "tokens_per_second" in headers[1] and "floor_fraction" in headers[1]
+
+
 @pytest.mark.parametrize("feed_forward_proj", ["gated-gelu", "relu"])
 def test_step_bytes_count_what_transformers_t5_reads_in_a_step(feed_forward_proj):
     """The bytes are counted from the config; the truth is transformers' T5 itself: its decoder's parameters but the
