@@ -2,9 +2,11 @@
 said in one line, and the training jobs' checkpoints: which are complete, which one ``--resume`` continues from.
 
 The rule, for `fat5 convert`, `export-hf`, `bundle`, `pretrain` and `finetune` alike: ``--overwrite`` touches nothing
-outside the output folder, never a folder that holds the input (or the current directory). `convert`, `export-hf`
-and `bundle` replace the folder whole. A training job's folder may hold the user's files beside the run's: without
-``--overwrite`` such a folder is refused, and with it only what a run writes there (`is_run_file`) is removed.
+outside the output folder, never a folder that holds the input (or the current directory), and never the user's own
+files. `convert`, `export-hf` and `bundle` replace the folder whole, so they replace only a folder of files FAT5
+writes (`is_model_folder_file`): one holding anything else is refused, ``--overwrite`` or not. A training job's folder
+may hold the user's files beside the run's: without ``--overwrite`` such a folder is refused, and with it only what a
+run writes there (`is_run_file`) is removed.
 """
 
 import contextlib
@@ -101,9 +103,14 @@ def atomic_directory(out, *, overwrite: bool = False, inputs: Iterable = (), ins
     """Yield a temporary folder beside ``out`` that becomes ``out`` only if the block completes.
 
     On any exception the temporary folder is removed and ``out`` is left as it was (absent, or untouched when it
-    existed); a full disk becomes one FAT5Error line. ``out`` is checked first by `check_output_folder`.
+    existed); a full disk becomes one FAT5Error line. ``out`` is checked first by `check_output_folder`, and an
+    ``out`` to be replaced must hold only what FAT5 writes in a model folder (`is_model_folder_file`).
     """
     out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=inside_inputs_ok)
+    others = _other_files(out, is_model_folder_file) if out.is_dir() else []
+    if others:
+        raise FAT5Error(f"{out} holds files that FAT5 did not write ({_named(others)}): --overwrite replaces a model "
+                        "folder, never other files; choose a new or empty output folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -149,6 +156,14 @@ RUN_FILES = frozenset({
     "adapter", "bundle", "metrics.json", "finetune_config.yaml", ".merged-model.tmp",
 })
 _SHARD = re.compile(r"^(model|adapter_model)-\d+-of-\d+\.safetensors$")
+# what `fat5 convert`, `export-hf` and `bundle` write beside a training job's files: the model card, the conversion
+# report and the bundle's manifest, a pytorch checkpoint's index, the Hub's attributes
+MODEL_FOLDER_FILES = frozenset({"README.md", "fat5_conversion.json", "fat5_manifest.json",
+                                "pytorch_model.bin.index.json", ".gitattributes"})
+# the files a tokenizer may consist of: whichever are present travel with a converted model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "chat_template.jinja")
+_PYTORCH_SHARD = re.compile(r"^pytorch_model-\d+-of-\d+\.bin$")
 # a file or folder being written (`.NAME.tmp`) or replaced (`_sibling`'s `.NAME.tmp-HEX`, `.NAME.old-HEX`)
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|tmp-[0-9a-f]{8}|old-[0-9a-f]{8})$")
 # what file managers leave in any folder they show: neither the user's work nor a run's
@@ -170,10 +185,23 @@ def is_run_file(name: str) -> bool:
     return bool(temporary) and is_run_file(temporary["name"])
 
 
-def _other_files(out: Path) -> list[str]:
-    """The entries of ``out`` that no training job writes: the user's, never to be removed."""
-    return sorted(path.name for path in out.iterdir() if not is_run_file(path.name)
+def is_model_folder_file(name: str) -> bool:
+    """Whether FAT5 writes an entry of this name at the top of a model folder: what a training job writes there, and
+    what `fat5 convert`, `export-hf` and `bundle` add (the model card, their records, other tokenizers' files, the
+    shards of a pytorch checkpoint)."""
+    return (name in MODEL_FOLDER_FILES or name in TOKENIZER_FILES or _PYTORCH_SHARD.match(name) is not None
+            or is_run_file(name))
+
+
+def _other_files(out: Path, written_by_fat5=is_run_file) -> list[str]:
+    """The entries of ``out`` that FAT5 does not write (by default: that no training job writes): the user's, never
+    to be removed."""
+    return sorted(path.name for path in out.iterdir() if not written_by_fat5(path.name)
                   and path.name not in _FILE_MANAGER_FILES)
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def run_folder_refusal(out: Path) -> str | None:
@@ -190,8 +218,7 @@ def run_folder_refusal(out: Path) -> str | None:
         return f"{out} already holds a model: pass --overwrite to replace it, or choose another output folder"
     others = _other_files(out)
     if others:
-        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        return (f"{out} holds files that no run wrote ({named}): choose a new or empty output folder, or pass "
+        return (f"{out} holds files that no run wrote ({_named(others)}): choose a new or empty output folder, or pass "
                 "--overwrite to write beside them (it removes only what a run writes)")
     return None
 

@@ -6,6 +6,7 @@ with "tie_word_embeddings": false, or the legacy layout with every alias of the 
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -292,22 +293,44 @@ def test_failed_verification_writes_nothing(converted, tmp_path):
     assert leftovers(tmp_path / "out") == []
 
 
-def test_existing_output_is_kept_unless_overwrite(converted, tmp_path):
+def test_overwrite_replaces_a_model_folder_never_the_users_files(converted, tmp_path):
+    """A non-empty OUT needs --overwrite, which replaces a folder of FAT5's files (an earlier conversion) and refuses
+    one holding anything else: the user's files are never removed."""
+    from fat5.cli import main
+
     source, _, _ = converted["t5"]
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    (out / "photos").mkdir()
     with pytest.raises(FAT5Error, match="already exists"):
-        convert(source, out)
+        convert(source, out, verify=False)
+    with pytest.raises(FAT5Error, match=r"holds files that FAT5 did not write \(photos, precious.txt\)"):
+        convert(source, out, overwrite=True, verify=False)
+    assert main(["convert", str(source), str(out), "--overwrite", "--no-verify"]) == 2
+    assert sorted(path.name for path in out.iterdir()) == ["photos", "precious.txt"]
     assert (out / "precious.txt").read_text() == "keep me"
-    convert(source, out, overwrite=True)
-    assert not (out / "precious.txt").exists() and (out / "model.safetensors").is_file()
+    shutil.rmtree(out)
+    convert(source, out, verify=False)
+    written = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(b"stale")
+    convert(source, out, overwrite=True, verify=False)
+    assert (out / "model.safetensors").read_bytes() == written
     assert leftovers(out) == ["out"]
 
 
-def _copy_tree(source: Path, destination: Path) -> Path:
-    import shutil
+def test_export_overwrite_never_removes_the_users_files(converted, tmp_path):
+    _, fat5_dir, _ = converted["t5"]
+    out = tmp_path / "t5"
+    export_hf(fat5_dir, out, verify=False)
+    export_hf(fat5_dir, out, overwrite=True, verify=False)  # an earlier export is replaced
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FAT5Error, match=r"holds files that FAT5 did not write \(notes.txt\)"):
+        export_hf(fat5_dir, out, overwrite=True, verify=False)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
 
+
+def _copy_tree(source: Path, destination: Path) -> Path:
     return Path(shutil.copytree(source, destination))
 
 

@@ -331,6 +331,16 @@ def test_bundle_overwrite_never_replaces_a_folder_that_holds_the_input(converted
     assert {path: path.read_bytes() for path in models.rglob("*") if path.is_file()} == before
 
 
+def test_bundle_overwrite_replaces_a_bundle_never_the_users_files(converted_dir, tmp_path):
+    out = tmp_path / "bundle"
+    bundle(converted_dir, out, validate=False)
+    bundle(converted_dir, out, overwrite=True, validate=False)  # an earlier bundle, model card and manifest included
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FAT5Error, match=r"holds files that FAT5 did not write \(notes.txt\)"):
+        bundle(converted_dir, out, overwrite=True, validate=False)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "README.md").is_file()
+
+
 # --------------------------------------------------------------------------------------------- flattening
 
 

@@ -14,24 +14,13 @@ from pathlib import Path
 import torch
 
 from fat5.errors import FAT5Error
+from fat5.output_folder import TOKENIZER_FILES
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_FILE = "pytorch_model.bin"
 PYTORCH_INDEX = "pytorch_model.bin.index.json"
 
-# Files a tokenizer may consist of; whichever are present travel with the converted model.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
