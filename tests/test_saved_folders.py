@@ -32,7 +32,8 @@ for folder in folders:
     assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
     with torch.no_grad():
         logits = model(**batch).logits
-    results[folder] = {"logits": logits, "pipelines": {
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    results[folder] = {"logits": logits, "input_ids": tokenizer(texts)["input_ids"], "pipelines": {
         task: transformers.pipeline(task, model=folder, trust_remote_code=True)(texts, **generation)
         for task in ("text2text-generation", "text-generation")
     }}
@@ -106,5 +107,6 @@ def test_every_way_of_saving_writes_a_folder_that_loads_without_fat5(model, hub,
     assert any(texts)  # a non-empty answer, so that a pipeline returning nothing cannot pass
     for name, folder in folders.items():
         torch.testing.assert_close(remote[str(folder)]["logits"], logits, rtol=1e-5, atol=1e-5, msg=name)
+        assert remote[str(folder)]["input_ids"] == tokenizer(TEXTS)["input_ids"], name
         for task, answers in remote[str(folder)]["pipelines"].items():
             assert answers == [[{"generated_text": text}] for text in texts], (name, task)
