@@ -187,6 +187,30 @@ def test_the_data_folders_read_are_never_written_to(tiny_model, tmp_path):
     assert len(datasets.load_dataset(str(jsonl), split="train")) == len(ROWS)
 
 
+@pytest.mark.parametrize("rows", [0, 1])
+def test_too_little_data_for_its_validation_share_is_named(rows, tiny_model, tmp_path):
+    """An empty training file, or one example with a share held out to evaluate (datasets' split would leave no
+    example to train on): one line naming the fix, nothing written."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"document": row["document"], "summary": row["summary"]}) + "\n"
+                            for row in ROWS[:rows]))
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False)
+    config["data"].update(train_file=str(data), validation_fraction=0.25)
+    expected = "train.jsonl is empty" if rows == 0 else "validation_fraction 0.25 of 1 training example"
+    with pytest.raises(FAT5Error, match=expected):
+        finetune(config)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_malformed_line_is_named_with_its_row(tiny_model, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"document": "a", "summary": "b"}\n{"document": "c" "summary": "d"}\n')
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False)
+    config["data"]["train_file"] = str(data)
+    with pytest.raises(FAT5Error, match=r"cannot load .*train.jsonl: .*JSON parse error.*row 1"):
+        finetune(config)
+
+
 @pytest.mark.parametrize("missing", ["rouge_score", "eos token"])
 def test_what_the_job_needs_is_checked_before_any_training(missing, tiny_model, tmp_path, monkeypatch):
     """A job without the package its metric imports, or whose tokenizer lacks the token its targets end with, fails in

@@ -22,6 +22,8 @@ def _data_files(value, name: str) -> list[str]:
         path = Path(file).expanduser()
         if not path.is_file() or not os.access(path, os.R_OK):
             raise FAT5Error(f"data.{name}: cannot read {path} (no such file, or not readable)")
+        if path.stat().st_size == 0:  # datasets' loaders fail on it with a bare StopIteration
+            raise FAT5Error(f"data.{name}: {path} is empty")
         checked.append(str(path))
     return checked
 
@@ -72,14 +74,23 @@ def load_raw_datasets(data: dict):
         raise
     except Exception as error:  # noqa: BLE001  (datasets raises many kinds: file format, network, missing dataset)
         source = data["dataset_name"] or data["train_file"]
-        raise FAT5Error(f"data: cannot load {source}: {type(error).__name__}: {error}") from None
+        # datasets wraps the parser's error (a malformed line, with its row) in a generic one
+        cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
+        raise FAT5Error(f"data: cannot load {source}: {type(error).__name__}: {error}{cause}") from None
+    if len(raw["train"]) == 0:
+        raise FAT5Error("data: the training data is empty")
     if "validation" not in raw and data["validation_fraction"] is not None:
         fraction, train = data["validation_fraction"], raw["train"]
-        split = train.train_test_split(
-            test_size=fraction, seed=0,
-            train_indices_cache_file_name=cache_file_outside_user_data(train, "split-train", fraction),
-            test_indices_cache_file_name=cache_file_outside_user_data(train, "split-validation", fraction),
-        )
+        try:
+            split = train.train_test_split(
+                test_size=fraction, seed=0,
+                train_indices_cache_file_name=cache_file_outside_user_data(train, "split-train", fraction),
+                test_indices_cache_file_name=cache_file_outside_user_data(train, "split-validation", fraction),
+            )
+        except ValueError as error:  # a split with no example on one side: datasets names the sizes
+            raise FAT5Error(f"data.validation_fraction {fraction} of {len(train)} training example(s) leaves one "
+                            f"side empty ({error}): give more examples, a data.validation_file, or no "
+                            "validation_fraction") from None
         raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
     for key, dataset in raw.items():
         missing = [c for c in (data["text_column"], data["target_column"]) if c not in dataset.column_names]
@@ -88,8 +99,6 @@ def load_raw_datasets(data: dict):
                 f"data: the {key} data has no column(s) {missing}; its columns are {dataset.column_names} "
                 "(set data.text_column / data.target_column)"
             )
-    if len(raw["train"]) == 0:
-        raise FAT5Error("data: the training data is empty")
     return raw
 
 
