@@ -178,6 +178,16 @@ class FAT5Config(PretrainedConfig):
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self._validate()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "FAT5Config":
+        """transformers only warns when a config of another model type is read as this one; a T5 checkpoint read as
+        FAT5 would fail deep inside (T5's derived fields have no setter here) or load with its weights misnamed."""
+        model_type = config_dict.get("model_type")
+        if model_type not in (None, cls.model_type):
+            raise ValueError(f"this checkpoint holds a {model_type!r} model, not a FAT5 one: convert it first "
+                             "(`fat5 convert SRC OUT`), or load it with transformers' own class")
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def dense_act_fn(self) -> str:
         activation = self.feed_forward_proj.split("-")[-1]

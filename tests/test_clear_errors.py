@@ -62,3 +62,15 @@ def test_unreadable_weights_of_a_bundle_are_named(saved, tmp_path):
     assert "auto_map" in config
     with pytest.raises(OSError, match=f"{weights} is not a readable safetensors file"):
         AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+
+
+def test_a_t5_checkpoint_read_as_fat5_is_refused_by_name(tmp_path):
+    """transformers only warns when a config of another model type is read by FAT5's class; the checkpoint must be
+    converted first."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(**TINY, feed_forward_proj="gated-gelu")).save_pretrained(tmp_path / "t5")
+    for load in (FAT5ForConditionalGeneration.from_pretrained, FAT5Config.from_pretrained):
+        with pytest.raises(ValueError, match="holds a 't5' model, not a FAT5 one: convert it first"):
+            load(tmp_path / "t5")
+    assert AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5").config.model_type == "t5"
