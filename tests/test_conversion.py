@@ -431,3 +431,19 @@ def test_command_line_handlers(converted, tmp_path, capsys):
     args = parser.parse_args(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")])
     with pytest.raises(FAT5Error, match="no such folder"):
         args.func(args)
+
+
+def test_a_source_without_a_tokenizer_is_said(converted, tmp_path):
+    """A model converted without its tokenizer cannot be used or shared as it is: the conversion (and the export)
+    says so in a note, which `fat5 convert` prints; a source with one gets no such note and carries it over."""
+    from helpers import word_tokenizer
+
+    source, fat5_dir, result = converted["t5"]
+    assert any("holds no tokenizer files" in note for note in result.notes)
+    exported = export_hf(fat5_dir, tmp_path / "exported", verify=False)
+    assert any("holds no tokenizer files" in note for note in exported.notes)
+    with_tokenizer = _copy_tree(source, tmp_path / "with-tokenizer")
+    word_tokenizer().save_pretrained(with_tokenizer)
+    result = convert(with_tokenizer, tmp_path / "fat5", verify=False)
+    assert not any("tokenizer" in note for note in result.notes)
+    assert (tmp_path / "fat5" / "tokenizer.json").read_bytes() == (with_tokenizer / "tokenizer.json").read_bytes()

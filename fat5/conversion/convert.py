@@ -31,7 +31,7 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..errors import FAT5Error
-from ..output_folder import atomic_directory, check_output_folder
+from ..output_folder import TOKENIZER_FILES, atomic_directory, check_output_folder
 from .checkpoint import (
     ConversionError,
     ResolvedSource,
@@ -225,6 +225,14 @@ def _embedding(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return next((tensors[name] for name in EMBEDDING_NAMES if name in tensors), None)
 
 
+def _note_a_missing_tokenizer(copied: list[str], source, notes: list[str]) -> None:
+    """A model without its tokenizer converts, but cannot be used or shared as it is: the user is told at once."""
+    if not set(copied) & set(TOKENIZER_FILES):
+        notes.append(f"{source} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...): the output holds "
+                     "the model alone; save its tokenizer into it (tokenizer.save_pretrained(OUT)) before using or "
+                     "pushing it")
+
+
 def _tie_and_scale(raw: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> tuple[bool, bool]:
     model_type = raw["model_type"]
     raw_tie = raw.get("tie_word_embeddings", model_type != "mt5")
@@ -397,7 +405,7 @@ def _convert_into(
     with quiet_transformers():
         model.to(out_dtype).save_pretrained(folder, max_shard_size=max_shard_size)
     del model
-    copy_side_files(resolved.path, folder, config)
+    _note_a_missing_tokenizer(copy_side_files(resolved.path, folder, config), source_name, notes)
     verification = None
     if verify:
         verification = _verify_conversion(resolved.path, model_type, suffix, folder, scale, out_dtype, tolerance, notes)
@@ -591,7 +599,7 @@ def export_hf(
     with atomic_directory(out, overwrite=overwrite, inputs=[source]) as folder:
         _write_hf_weights(target, mapped, folder, out_dtype, max_shard_size)
         (folder / "config.json").write_text(json.dumps(hf_raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        copy_side_files(source, folder, fat5_config)
+        _note_a_missing_tokenizer(copy_side_files(source, folder, fat5_config), source, notes)
         verification = None
         if verify:
             verification = _verify_export(source, folder, family, suffix, fat5_config, out_dtype, tolerance)
