@@ -30,12 +30,13 @@ class Command(NamedTuple):
 
 COMMANDS = {
     "convert": Command("convert a T5 / FLAN-T5 / mT5 / UMT5 checkpoint to FAT5 (verified against transformers)",
-                       "fat5.commands.convert", "configure_convert"),
+                       "fat5.commands.convert", "configure_convert", light=True),
     "export-hf": Command("write a FAT5 model back as a transformers T5 / MT5 / UMT5 checkpoint",
-                         "fat5.commands.convert", "configure_export_hf"),
+                         "fat5.commands.convert", "configure_export_hf", light=True),
     "bundle": Command("make a self-contained Hub folder (remote code, auto_map, model card) from a FAT5 model folder",
-                      "fat5.commands.hub", "configure_bundle"),
-    "push": Command("upload a bundled FAT5 folder to the Hub (validated first)", "fat5.commands.hub", "configure_push"),
+                      "fat5.commands.hub", "configure_bundle", light=True),
+    "push": Command("upload a bundled FAT5 folder to the Hub (validated first)", "fat5.commands.hub", "configure_push",
+                    light=True),
     "pretrain": Command("UL2 pretraining of a FAT5 model (the built-in tiny default when no config is given)",
                         "fat5.commands.pretrain", "configure_pretrain", light=True),
     "finetune": Command("finetune a FAT5 model (seq2seq or an encoder head), fully or with LoRA, from a YAML config",

@@ -21,7 +21,7 @@ from fat5.cli import main
 FAT5_SCRIPT = Path(sys.executable).parent / "fat5"
 
 
-@pytest.mark.parametrize("command", ["pretrain", "finetune"])
+@pytest.mark.parametrize("command", ["pretrain", "finetune", "convert", "export-hf", "bundle", "push"])
 def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     """`fat5 pretrain --help` took 10.8 s (torch imported first) and showed Sphinx markup; it imports neither torch
     nor transformers now, and says what the full parser (the one that runs the command) says."""

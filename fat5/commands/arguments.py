@@ -3,12 +3,15 @@ keyword arguments taken from the parsed options of the same names."""
 
 import argparse
 
+from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE
+
 
 def add_output_options(parser: argparse.ArgumentParser, shard_help: str) -> None:
     """`--overwrite` (replace OUT) and `--max-shard-size` (safetensors shards above it), for a command that writes
     a model to the folder OUT."""
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.add_argument("--max-shard-size", default="5GB", help=shard_help)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT if it exists and holds only a model folder's files (never other files)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help=shard_help)
 
 
 def options_of(args: argparse.Namespace, *names: str) -> dict:

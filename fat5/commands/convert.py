@@ -3,19 +3,19 @@
 
 import argparse
 
-from ..conversion import ConversionResult, convert, export_hf
-from ..conversion.convert import DEFAULT_MAX_SHARD_SIZE, staged_conversion
-from ..conversion.verify import DEFAULT_TOLERANCE
+from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE, DEFAULT_TOLERANCE
 from ..dtypes import DTYPE_CHOICES, dtype_argument
-from ..hub_upload import bundle, push
-from ..hub_upload.push import resolve_token
 from .arguments import add_output_options, options_of
 
 
 def convert_to_hub_folder(src, out, *, push_to: str | None = None, private: bool = False, overwrite: bool = False,
-                          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, **conversion_options) -> ConversionResult:
+                          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, **conversion_options):
     """`convert(src, out, ...)` with `out` made a self-contained Hub folder (see `fat5.hub_upload.bundle`), uploaded
-    to the Hub repo `push_to` when given (`private` for a new repo)."""
+    to the Hub repo `push_to` when given (`private` for a new repo); returns the `ConversionResult`."""
+    from ..conversion.convert import staged_conversion
+    from ..hub_upload import bundle, push
+    from ..hub_upload.push import resolve_token
+
     if push_to:
         resolve_token()  # a missing token fails now, not after the conversion
     with staged_conversion(src, out, overwrite=overwrite, max_shard_size=max_shard_size,
@@ -28,7 +28,7 @@ def convert_to_hub_folder(src, out, *, push_to: str | None = None, private: bool
     return result
 
 
-def _print_result(result: ConversionResult) -> None:
+def _print_result(result) -> None:
     print(f"{result.source_architecture} ({result.source}) -> {result.target_architecture}, {result.dtype}")
     if result.verification:
         figures = ", ".join(
@@ -51,6 +51,8 @@ CONVERSION_OPTIONS = ("dtype", "verify", "tolerance", "overwrite", "max_shard_si
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from ..conversion import convert
+
     options = options_of(args, *CONVERSION_OPTIONS, "revision")
     if args.bundle or args.push:
         result = convert_to_hub_folder(args.src, args.out, push_to=args.push, private=args.private, **options)
@@ -61,6 +63,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from ..conversion import export_hf
+
     _print_result(export_hf(args.fat5_dir, args.out, **options_of(args, *CONVERSION_OPTIONS, "family")))
     return 0
 

@@ -2,11 +2,12 @@
 
 import argparse
 
-from ..hub_upload import bundle, push
 from .arguments import add_output_options, options_of
 
 
 def _run_bundle(args: argparse.Namespace) -> int:
+    from ..hub_upload import bundle
+
     options = options_of(args, "overwrite", "repo_id", "license", "base_model", "max_shard_size", "validate")
     result = bundle(args.model_dir, args.out, **options)
     if result.validation:
@@ -21,6 +22,8 @@ def _run_bundle(args: argparse.Namespace) -> int:
 
 
 def _run_push(args: argparse.Namespace) -> int:
+    from ..hub_upload import push
+
     push(args.folder, args.repo_id, **options_of(args, "private", "revision", "commit_message", "dry_run", "force"))
     return 0
 

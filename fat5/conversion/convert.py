@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE, DEFAULT_TOLERANCE
 from ..dtypes import torch_dtype
 from ..errors import FAT5Error
 from ..output_folder import TOKENIZER_FILES, atomic_directory, check_output_folder
@@ -41,10 +42,9 @@ from .checkpoint import (
     read_state_dict,
     resolve_source,
 )
-from .verify import DEFAULT_TOLERANCE, check_agreement, check_loading_info, compare_outputs, quiet_transformers
+from .verify import check_agreement, check_loading_info, compare_outputs, quiet_transformers
 
 REPORT_FILE = "fat5_conversion.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # transformers' class-name prefix for each supported `model_type`
 FAMILY_PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}

@@ -5,8 +5,6 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TOLERANCE = 1e-4
-
 
 def comparison_batch(
     vocab_size: int,

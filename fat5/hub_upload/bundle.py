@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fat5.conversion_defaults import DEFAULT_MAX_SHARD_SIZE
 from fat5.errors import FAT5Error
 
 PACKAGE = "fat5"
@@ -27,7 +28,6 @@ REPORT_FILE = "fat5_conversion.json"
 # the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
 # `push` refuses a folder whose files differ from it
 MANIFEST_FILE = "fat5_manifest.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 VALIDATION_TOLERANCE = 1e-5
 VALIDATION_TIMEOUT_S = 900
 
