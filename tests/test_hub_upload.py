@@ -75,6 +75,7 @@ def test_bundle_layout_and_card(bundled, converted_dir):
     assert card.data.license == "apache-2.0"
     assert "fat5" in card.data.tags
     assert 'AutoModelForSeq2SeqLM.from_pretrained("someone/fat5-tiny", trust_remote_code=True)' in card.text
+    assert card.text.lstrip().startswith("# fat5-tiny\n")
     report = json.loads((converted_dir / "fat5_conversion.json").read_text())
     assert f"| logits | {report['verification']['logits_relative_error']:.2e} |" in card.text
 
@@ -92,6 +93,15 @@ def test_card_of_a_hub_conversion_names_its_base_model_and_licence(tmp_path, mon
     assert (card.data.base_model, card.data.license) == ("google/mt5-small", "apache-2.0")
     assert {"fat5", "mt5"} <= set(card.data.tags)
     assert "a FAT5 conversion of [google/mt5-small](https://huggingface.co/google/mt5-small)" in card.text
+    assert card.text.lstrip().startswith("# mt5-small in FAT5\n")
+
+
+def test_a_card_without_repo_or_base_model_says_what_the_folder_holds(converted_dir):
+    from fat5.hub_upload.model_card import build_model_card
+
+    config = json.loads((converted_dir / "config.json").read_text())
+    card = build_model_card(config, architecture="FAT5ForConditionalGeneration")
+    assert card.text.lstrip().startswith("# A FAT5 model (FAT5ForConditionalGeneration)\n")
 
 
 def test_flat_code_is_self_contained(bundled):

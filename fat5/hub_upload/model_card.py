@@ -94,6 +94,15 @@ With the `fat5` package installed, `import fat5` registers the same classes with
 """
 
 
+def _title(repo_id: str | None, base_model: str | None, architecture: str) -> str:
+    """The repo's name; before it has one, the base model's in FAT5, else what the folder holds."""
+    if repo_id:
+        return repo_id.split("/")[-1]
+    if base_model:
+        return f"{base_model.split('/')[-1]} in FAT5"
+    return f"A FAT5 model ({architecture})"
+
+
 def build_model_card(
     config: dict,
     *,
@@ -121,7 +130,7 @@ def build_model_card(
         tags=_tags(report.get("source_model_type")),
     )
     body = CARD_BODY.format(
-        title=repo_id.split("/")[-1] if repo_id else f"FAT5 {architecture}",
+        title=_title(repo_id, base_model, architecture),
         origin=_origin(base_model, report),
         sizes=_architecture_summary(config),
         auto_class=auto_class,
