@@ -204,13 +204,22 @@ def _named(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def run_folder_refusal(out: Path) -> str | None:
+def run_folder_refusal(out: Path, resume_keeps_config: bool = False) -> str | None:
     """Why a training job started afresh (neither ``--resume`` nor ``--overwrite``) refuses the folder ``out``, as
-    one line naming the fix; None when it may start there."""
+    one line naming the fix; None when it may start there. ``resume_keeps_config``: the job's ``--resume`` runs the
+    config the run saved (`fat5 pretrain`), so a newest checkpoint at max_steps ends the run, where `fat5 finetune`'s
+    may raise max_steps and train on."""
     if not out.is_dir():
         return None
     if any(path.is_dir() for path in out.glob("checkpoint-*")):
         newest, _ = newest_complete_checkpoint(out)
+        if resume_keeps_config and newest is not None and reached_max_steps(newest):
+            _, max_steps = checkpoint_steps(newest)
+            if any((out / name).is_file() for name in MODEL_FILES):
+                return (f"{out} holds a finished run: {newest.name} reached its max_steps ({max_steps}) and the model "
+                        "is saved; pass --overwrite to start over, or choose another output folder")
+            return (f"{out} holds a run that reached its max_steps ({max_steps}, {newest.name}) but did not save its "
+                    "model: pass --resume to save it (no step is trained), or --overwrite to start over")
         continues = f"continue from {newest.name}" if newest else "continue (no complete checkpoint: it starts over)"
         return (f"{out} holds the checkpoints of an earlier run: pass --resume to {continues}, or --overwrite to "
                 "start over")
@@ -239,7 +248,7 @@ def remove_run_files(out: Path) -> list[str]:
 
 
 def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, inputs: Iterable = (),
-                       main_process: bool = True) -> Path:
+                       main_process: bool = True, resume_keeps_config: bool = False) -> Path:
     """Check the output folder of a training job (`fat5 pretrain`, `fat5 finetune`) and return it absolute.
 
     The job writes its final model at the folder's top and its checkpoints in ``checkpoint-*`` beside it. Without
@@ -260,7 +269,7 @@ def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, in
                   + (f" (keeping the {len(kept)} other files)" if kept else ""), flush=True)
             remove_run_files(out)
         return out
-    refusal = run_folder_refusal(out)
+    refusal = run_folder_refusal(out, resume_keeps_config)
     if refusal:
         raise FAT5Error(refusal)
     if main_process and any(is_run_file(path.name) for path in out.iterdir()):
@@ -351,6 +360,19 @@ def newest_complete_checkpoint(run_dir) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
+def checkpoint_steps(checkpoint) -> tuple[int, int]:
+    """(global_step, max_steps) that a complete checkpoint's trainer_state.json records: the steps trained, of the
+    run's total (0 where the Trainer recorded none)."""
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+    return state["global_step"], state.get("max_steps") or 0
+
+
+def reached_max_steps(checkpoint) -> bool:
+    """Whether a complete checkpoint ends its run: a resume from it has no step left to train."""
+    global_step, max_steps = checkpoint_steps(checkpoint)
+    return 0 < max_steps <= global_step
+
+
 def final_model_disk_full_error(run_dir: Path) -> FAT5Error:
     """What a job says when the disk fills while its final model is written: the folder, and the checkpoint from
     which ``--resume`` finishes the run, if one is complete."""
@@ -379,6 +401,8 @@ def resume_hint(command: str, output_dir) -> str:
     newest complete checkpoint, else the command again (with ``--overwrite`` only where the folder needs it)."""
     output_dir = Path(output_dir)
     checkpoint, _ = newest_complete_checkpoint(output_dir)
+    if checkpoint is not None and reached_max_steps(checkpoint):
+        return f"`{command} --resume` saves the model of {checkpoint}, which reached max_steps (no step is trained)"
     if checkpoint is not None:
         return f"`{command} --resume` continues from {checkpoint}"
     again = f"{command} --overwrite" if run_folder_refusal(output_dir) else command

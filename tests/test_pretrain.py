@@ -5,7 +5,7 @@ import math
 import shutil
 
 import pytest
-from helpers import SMALL_PRETRAIN
+from helpers import SMALL_PRETRAIN, TINY_PRETRAIN
 
 from fat5.errors import FAT5Error
 from fat5.trainer.pretrain_config import load_pretrain_config
@@ -135,8 +135,11 @@ def test_a_folder_with_a_model_or_checkpoints_is_refused_without_a_flag(straight
     output, _ = straight_run
     run = tmp_path / "run"
     shutil.copytree(output, run)
+    with pytest.raises(FAT5Error, match=r"holds a finished run: checkpoint-8 reached its max_steps \(8\)"):
+        pretrain(SMALL_PRETRAIN, run)
+    shutil.rmtree(run / "checkpoint-8")
     with pytest.raises(FAT5Error, match=r"checkpoints of an earlier run: pass --resume to continue from "
-                                        r"checkpoint-8, or --overwrite"):
+                                        r"checkpoint-4, or --overwrite"):
         pretrain(SMALL_PRETRAIN, run)
     for checkpoint in run.glob("checkpoint-*"):
         shutil.rmtree(checkpoint)
@@ -293,3 +296,92 @@ def test_new_shapes_first_steps_are_kept_in_the_log_and_said_once_at_the_end(tmp
     total = sum(entry["first_step_seconds"] for entry in first_steps)
     assert closing == [(f"new batch shapes: {len(first_steps)}, their first steps (compilation included) took "
                        f"{total:.1f} s in all, {max(e['first_step_seconds'] for e in first_steps):.1f} s at most")]
+
+
+# the README's quick start in small: the built-in save_total_limit of 1 keeps only the newest checkpoint, and the run
+# ends mid-epoch (the speeches give more than 4 batches), where transformers' loop, resumed, draws one more batch
+KEEPS_ONE_CHECKPOINT = {**TINY_PRETRAIN, "training": {"max_steps": 4, "save_steps": 2, "save_total_limit": 1,
+                                                      "logging_steps": 1, "warmup_steps": 0, "disable_tqdm": True}}
+
+
+def _trainer_state(checkpoint) -> dict:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def _checkpoints(run) -> list[str]:
+    return sorted(path.name for path in run.glob("checkpoint-*"))
+
+
+def test_ctrl_c_then_resume_finishes_though_rotation_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch, capfd):
+    """`fat5 pretrain --resume` after a Ctrl-C trained to the end, then failed on reading the checkpoint it resumed
+    from, which the rotation had deleted when it wrote the next one: no summary, exit status 1."""
+    from fat5.cli import main
+    from fat5.trainer.trainer import FAT5Trainer
+
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(json.dumps(KEEPS_ONE_CHECKPOINT))
+    save = FAT5Trainer._save_checkpoint
+
+    def save_then_ctrl_c(trainer, model, trial):
+        save(trainer, model, trial)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FAT5Trainer, "_save_checkpoint", save_then_ctrl_c)
+    assert main(["pretrain", str(config), "--output-dir", str(run)]) == 130
+    monkeypatch.undo()
+    assert _checkpoints(run) == ["checkpoint-2"]
+    resume = f"`fat5 pretrain {config} --output-dir {run} --resume` continues from {run / 'checkpoint-2'}"
+    assert resume in capfd.readouterr().err
+
+    assert main(["pretrain", str(config), "--output-dir", str(run), "--resume"]) == 0
+    assert _checkpoints(run) == ["checkpoint-4"] and _trainer_state(run / "checkpoint-4")["global_step"] == 4
+    summary = json.loads((run / "pretrain_summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from_step"], summary["steps_this_run"]) == (4, 2, 2)
+    closing = capfd.readouterr().out
+    assert "trained 2 steps (resumed from step 2, 4 in all; train_loss covers these 2) in " in closing
+
+
+def test_a_finished_run_is_not_advised_resume_and_resumed_trains_no_step(tmp_path, capfd):
+    """A finished run's folder advised --resume, which trained a step past max_steps (transformers' loop trains on
+    to the epoch's next batch before it checks max_steps) and then failed as above. It is now refused as finished;
+    --resume trains nothing, says so, and keeps the run's model and summary (the way to finish a run stopped between
+    its last checkpoint and its final model)."""
+    from safetensors.torch import load_file
+
+    from fat5.cli import main
+    from fat5.output_folder import resume_hint
+
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(json.dumps(KEEPS_ONE_CHECKPOINT))
+    command = ["pretrain", str(config), "--output-dir", str(run)]
+    assert main(command) == 0
+    last = run / "checkpoint-4"
+    assert _trainer_state(last)["global_step"] == 4 and _trainer_state(last)["epoch"] < 1
+    capfd.readouterr()
+
+    assert main(command) == 2
+    assert capfd.readouterr().err.strip() == (
+        f"fat5 pretrain: error: {run} holds a finished run: checkpoint-4 reached its max_steps (4) and the model "
+        "is saved; pass --overwrite to start over, or choose another output folder")
+
+    assert main([*command, "--resume"]) == 0
+    printed = capfd.readouterr().out
+    assert f"--resume: {last} reached the run's max_steps (4): no step left to train" in printed
+    assert _checkpoints(run) == ["checkpoint-4"] and _trainer_state(last)["global_step"] == 4
+    summary = json.loads((run / "pretrain_summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from_step"], summary["steps_this_run"]) == (4, 4, 0)
+    assert summary["train_loss"] is None
+    assert "no step left to train: the run had reached its 4 steps before --resume; loss " in printed
+    final, checkpointed = load_file(run / "model.safetensors"), load_file(last / "model.safetensors")
+    assert final.keys() == checkpointed.keys() and all(final[name].equal(checkpointed[name]) for name in final)
+
+    for name in ("config.json", "model.safetensors"):  # a run stopped after its last checkpoint, before its model
+        (run / name).unlink()
+    assert resume_hint("fat5 pretrain", run) == (
+        f"`fat5 pretrain --resume` saves the model of {last}, which reached max_steps (no step is trained)")
+    assert main(command) == 2
+    assert capfd.readouterr().err.strip() == (
+        f"fat5 pretrain: error: {run} holds a run that reached its max_steps (4, checkpoint-4) but did not save its "
+        "model: pass --resume to save it (no step is trained), or --overwrite to start over")
+    assert main([*command, "--resume"]) == 0
+    assert _checkpoints(run) == ["checkpoint-4"] and (run / "model.safetensors").is_file()

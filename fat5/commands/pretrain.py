@@ -60,12 +60,16 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
     from ..trainer.metrics import loss_curve_command, plot_loss_curve
 
     first, last = summary["first_logged_loss"], summary["last_logged_loss"]
-    trained = f"trained {summary['steps']} steps"
-    if summary["resumed_from_step"]:
-        trained = (f"trained {summary['steps_this_run']} steps (resumed from step {summary['resumed_from_step']}, "
-                   f"{summary['steps']} in all; train_loss covers these {summary['steps_this_run']})")
-    print(f"{trained} in {elapsed / 60:.1f} min: loss {first:.3f} -> {last:.3f}"
-          + (f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else ""))
+    losses = f"loss {first:.3f} -> {last:.3f}" + (
+        f", eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] is not None else "")
+    if summary["resumed_from_step"] and not summary["steps_this_run"]:
+        print(f"no step left to train: the run had reached its {summary['steps']} steps before --resume; {losses}")
+    else:
+        trained = f"trained {summary['steps']} steps"
+        if summary["resumed_from_step"]:
+            trained = (f"trained {summary['steps_this_run']} steps (resumed from step {summary['resumed_from_step']}, "
+                       f"{summary['steps']} in all; train_loss covers these {summary['steps_this_run']})")
+        print(f"{trained} in {elapsed / 60:.1f} min: {losses}")
     speeds = sorted(entry["tokens_per_second"] for entry in summary["log_history"] if "tokens_per_second" in entry)
     if speeds:
         print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")

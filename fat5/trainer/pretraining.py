@@ -13,8 +13,9 @@ for the run (tokenizer/), the resolved config (pretrain_config.yaml: every defau
 and batch shapes) and pretrain_summary.json. A folder that already holds a model, checkpoints or files no run wrote is
 refused: --resume continues from its newest complete checkpoint, with the config the run saved (a config given then
 must not differ from it), --overwrite removes what a run wrote there and keeps the rest (never a folder that holds
-the input or the current directory). What a run interrupted before its first checkpoint left is removed, the job
-saying it starts over.
+the input or the current directory). A checkpoint at max_steps leaves no step to train: --resume then evaluates and
+saves its model, and a finished run is refused as such. What a run interrupted before its first checkpoint left is
+removed, the job saying it starts over.
 """
 
 import importlib.util
@@ -388,7 +389,7 @@ def _prepare_output_folder(settings: PretrainConfig, config, output_dir, overwri
         inputs.append(config)
     output_dir = prepare_run_folder(output_dir, overwrite=overwrite, resume=resume,
                                     inputs=[path for path in inputs if path and Path(path).exists()],
-                                    main_process=state.is_main_process)
+                                    main_process=state.is_main_process, resume_keeps_config=True)
     state.wait_for_everyone()
     return output_dir
 
@@ -517,23 +518,32 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
     and write ``pretrain_summary.json``; returns the summary."""
     from transformers import AutoModelForSeq2SeqLM
 
+    from ..output_folder import checkpoint_steps, reached_max_steps
     from .trainer import require_full_state_dict
 
     require_full_state_dict(trainer)
+    # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
+    resumed_from, max_steps = checkpoint_steps(checkpoint) if checkpoint else (0, 0)
+    # --resume runs the config the run saved (see _settings): the checkpoint's max_steps is this run's
+    if checkpoint and reached_max_steps(checkpoint) and trainer.is_world_process_zero():
+        done = "evaluated and saved" if trainer.eval_dataset is not None else "saved"
+        print(f"--resume: {checkpoint} reached the run's max_steps ({max_steps}): no step left to train; its model is "
+              f"{done}", flush=True)
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     metrics = trainer.evaluate_final_weights() if trainer.eval_dataset is not None else {}
     _save_verified(trainer, tokenizer, output_dir)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    resumed_from = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] if checkpoint else 0
+    steps_this_run = trainer.state.global_step - resumed_from
     summary = {
         "output": str(output_dir),
         # the run's total; a resumed run trained steps_this_run of them in this process, and train_loss covers those
         "steps": trainer.state.global_step,
         "resumed_from_step": resumed_from,
-        "steps_this_run": trainer.state.global_step - resumed_from,
+        "steps_this_run": steps_this_run,
         "first_logged_loss": losses[0] if losses else None,
         "last_logged_loss": losses[-1] if losses else None,
-        "train_loss": train_output.training_loss,
+        # the Trainer says 0.0 for a train() of no step
+        "train_loss": train_output.training_loss if steps_this_run else None,
         "eval_loss": metrics.get("eval_loss"),
         "log_history": trainer.state.log_history,
     }

@@ -429,6 +429,15 @@ class FAT5Trainer(Seq2SeqTrainer):
             return self._batch_loader(dataset, None)
         return super().get_eval_dataloader(eval_dataset)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # Resumed from a checkpoint at max_steps in the middle of an epoch, transformers' loop draws the epoch's next
+        # batches and trains a step past max_steps: it checks max_steps after a step only. No batch is drawn then,
+        # which the loop takes as an epoch's end, and training stops.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()
         if self._smoothed_loss_config is not None:
