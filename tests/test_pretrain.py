@@ -385,3 +385,21 @@ def test_a_finished_run_is_not_advised_resume_and_resumed_trains_no_step(tmp_pat
         "model: pass --resume to save it (no step is trained), or --overwrite to start over")
     assert main([*command, "--resume"]) == 0
     assert _checkpoints(run) == ["checkpoint-4"] and (run / "model.safetensors").is_file()
+
+
+def test_set_overrides_a_config_entry_as_finetune_does(tmp_path, capfd):
+    """`fat5 pretrain --set KEY=VALUE` (finetune had it, pretrain answered "unrecognized arguments"): the run and its
+    saved config follow the override; a malformed one is named."""
+    import yaml
+
+    from fat5.cli import main
+
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(json.dumps(KEEPS_ONE_CHECKPOINT))
+    assert main(["pretrain", str(config), "--output-dir", str(run), "--set", "training.max_steps=3",
+                 "--set", "training.save_steps=3"]) == 0
+    assert _checkpoints(run) == ["checkpoint-3"] and _trainer_state(run / "checkpoint-3")["global_step"] == 3
+    assert yaml.safe_load((run / "pretrain_config.yaml").read_text())["training"]["max_steps"] == 3
+    capfd.readouterr()
+    assert main(["pretrain", str(config), "--output-dir", str(tmp_path / "other"), "--set", "training.max_steps"]) == 2
+    assert "must read KEY=VALUE" in capfd.readouterr().err

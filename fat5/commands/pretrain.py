@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from ..trainer import pretraining as pretrain_job
+from ..trainer.config_schema import apply_overrides
 from ..trainer.pretrain_config import config_reference
 
 
@@ -25,6 +26,9 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="remove what a run wrote in --output-dir (model, checkpoints, records) and start over; "
                         "your other files there are kept (never a folder that holds the input)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config entry (dotted key, YAML value), e.g. --set training.max_steps=100; "
+                        "repeatable")
     parser.set_defaults(func=_run_pretrain)
 
 
@@ -34,9 +38,11 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite)
+        summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite,
+                                        overrides=apply_overrides({}, args.overrides))
     except KeyboardInterrupt:
-        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir])
+        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir,
+                            *(f"--set {override}" for override in args.overrides)])
         # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
         # starts a line of its own, a progress bar may have been drawing on the last one
         print(f"\nfat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)

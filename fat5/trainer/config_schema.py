@@ -7,6 +7,7 @@ returns the value to keep or raises FAT5Error. Fields whose default is a datacla
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -146,6 +147,32 @@ def read_yaml(path: Path, what: str) -> dict:
         raise FAT5Error(f"{what} {path} is not valid YAML: {error}") from None
     if not isinstance(config, dict):
         raise FAT5Error(f"{what} {path} must be a YAML mapping of keys and sections")
+    return config
+
+
+def apply_overrides(config: dict, overrides) -> dict:
+    """Set ``KEY=VALUE`` overrides in a copy of ``config``: dotted keys reach into sections, values are YAML.
+
+    ``["training.max_steps=10", "lora=null"]`` sets ``config["training"]["max_steps"] = 10`` and removes LoRA.
+    """
+    config = copy.deepcopy(config)
+    for override in overrides:
+        key, equals, value = override.partition("=")
+        if not equals or not key.strip():
+            raise FAT5Error(f"override {override!r} must read KEY=VALUE, e.g. training.max_steps=100")
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise FAT5Error(f"override {override!r}: the value is not valid YAML ({error})") from None
+        *sections, name = key.strip().split(".")
+        target = config
+        for part in sections:
+            if target.get(part) is None:
+                target[part] = {}
+            if not isinstance(target[part], dict):
+                raise FAT5Error(f"override {override!r}: {part} is not a section")
+            target = target[part]
+        target[name] = value
     return config
 
 

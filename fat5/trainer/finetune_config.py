@@ -13,14 +13,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..dtypes import canonical_dtype
 from ..errors import FAT5Error
 from .config_schema import (
     POSITIVE,
     POSITIVE_OR_NULL,
     about,
+    apply_overrides,
     boolean,
     checked,
     mapping_of,
@@ -250,32 +249,6 @@ class FinetuneConfig:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-
-
-def apply_overrides(config: dict, overrides) -> dict:
-    """Set ``KEY=VALUE`` overrides in a copy of ``config``: dotted keys reach into sections, values are YAML.
-
-    ``["training.max_steps=10", "lora=null"]`` sets ``config["training"]["max_steps"] = 10`` and removes LoRA.
-    """
-    config = copy.deepcopy(config)
-    for override in overrides:
-        key, equals, value = override.partition("=")
-        if not equals or not key.strip():
-            raise FAT5Error(f"override {override!r} must read KEY=VALUE, e.g. training.max_steps=100")
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as error:
-            raise FAT5Error(f"override {override!r}: the value is not valid YAML ({error})") from None
-        *sections, name = key.strip().split(".")
-        target = config
-        for part in sections:
-            if target.get(part) is None:
-                target[part] = {}
-            if not isinstance(target[part], dict):
-                raise FAT5Error(f"override {override!r}: {part} is not a section")
-            target = target[part]
-        target[name] = value
-    return config
 
 
 def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> dict:
