@@ -535,6 +535,22 @@ def test_ddp_is_not_asked_to_search_for_unused_parameters_unless_the_config_says
         assert handler.find_unused_parameters is expected, asked
 
 
+def test_no_memory_is_pinned_without_an_accelerator(tmp_path, monkeypatch):
+    """On a CPU a finetuning run printed torch's "pin_memory ... no accelerator is found" warning; with an
+    accelerator the transformers default (pinned) stays (transformers itself pins nothing under use_cpu)."""
+    import warnings
+
+    from fat5.trainer.trainer import FAT5TrainingArguments
+
+    arguments = FAT5TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert arguments.dataloader_pin_memory is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        next(iter(torch.utils.data.DataLoader([1, 2], pin_memory=arguments.dataloader_pin_memory)))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert FAT5TrainingArguments(output_dir=str(tmp_path), report_to="none").dataloader_pin_memory
+
+
 def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
     """``training: {torch_compile_regional: true}``: the Trainer trains a model whose blocks are compiled one by one
     (the model itself is not), the step is the eager one, and the saved model is the plain one."""

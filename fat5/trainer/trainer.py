@@ -55,6 +55,8 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
             that does leave one unused fails at its second step with DDP's error listing the indices of the
             parameters that got no gradient (their names with ``TORCH_DISTRIBUTED_DEBUG=INFO``), never silently.
             Set it true for such a model.
+        dataloader_pin_memory: as in transformers where an accelerator is present; False without one, where pinned
+            host memory has nothing to speed up and torch's DataLoader warns about it for every loader.
     """
 
     logging_nan_inf_filter: bool = field(
@@ -83,6 +85,8 @@ class FAT5TrainingArguments(Seq2SeqTrainingArguments):
                     f"this environment has accelerate {accelerate.__version__}"
                 )
             self.torch_compile = True
+        if self.dataloader_pin_memory and not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False
         super().__post_init__()
 
 
