@@ -156,10 +156,14 @@ RUN_FILES = frozenset({
     "adapter", "bundle", "metrics.json", "finetune_config.yaml", ".merged-model.tmp",
 })
 _SHARD = re.compile(r"^(model|adapter_model)-\d+-of-\d+\.safetensors$")
+# the conversion's record of what it converted and how closely the result matched (`fat5 convert`, kept by `bundle`)
+REPORT_FILE = "fat5_conversion.json"
+# the sha256 of every file that decides what a bundle computes (code, weights, config), as `bundle` wrote them
+MANIFEST_FILE = "fat5_manifest.json"
 # what `fat5 convert`, `export-hf` and `bundle` write beside a training job's files: the model card, the conversion
 # report and the bundle's manifest, a pytorch checkpoint's index, the Hub's attributes
-MODEL_FOLDER_FILES = frozenset({"README.md", "fat5_conversion.json", "fat5_manifest.json",
-                                "pytorch_model.bin.index.json", ".gitattributes"})
+MODEL_FOLDER_FILES = frozenset({"README.md", REPORT_FILE, MANIFEST_FILE, "pytorch_model.bin.index.json",
+                                ".gitattributes"})
 # the files a tokenizer may consist of: whichever are present travel with a converted model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -32,7 +32,7 @@ import torch
 from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE, DEFAULT_TOLERANCE
 from ..dtypes import torch_dtype
 from ..errors import FAT5Error
-from ..output_folder import TOKENIZER_FILES, atomic_directory, check_output_folder
+from ..output_folder import REPORT_FILE, TOKENIZER_FILES, atomic_directory, check_output_folder
 from .checkpoint import (
     ConversionError,
     ResolvedSource,
@@ -43,8 +43,6 @@ from .checkpoint import (
     resolve_source,
 )
 from .verify import check_agreement, check_loading_info, compare_outputs, quiet_transformers
-
-REPORT_FILE = "fat5_conversion.json"
 
 # transformers' class-name prefix for each supported `model_type`
 FAMILY_PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}

@@ -22,12 +22,9 @@ import torch
 
 from fat5.conversion_defaults import DEFAULT_MAX_SHARD_SIZE
 from fat5.errors import FAT5Error
+from fat5.output_folder import MANIFEST_FILE, REPORT_FILE  # `push` refuses a folder that differs from its manifest
 
 PACKAGE = "fat5"
-REPORT_FILE = "fat5_conversion.json"
-# the sha256 of every file that decides what the bundle computes (code, weights, config), as `bundle` wrote them:
-# `push` refuses a folder whose files differ from it
-MANIFEST_FILE = "fat5_manifest.json"
 VALIDATION_TOLERANCE = 1e-5
 VALIDATION_TIMEOUT_S = 900
 
