@@ -535,6 +535,30 @@ def test_ddp_is_not_asked_to_search_for_unused_parameters_unless_the_config_says
         assert handler.find_unused_parameters is expected, asked
 
 
+def test_a_model_path_found_nowhere_is_named_without_the_hubs_retries(tiny_model, tmp_path, monkeypatch):
+    """`model: out/fat5-flan-t5-small` before its conversion, offline: transformers' download retried for 27 s before
+    the clear error. One request to the Hub (refused here as a machine without network refuses it) says it at once;
+    transformers is not asked."""
+    import huggingface_hub
+    import transformers
+
+    def no_network(*args, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    def not_asked(*args, **kwargs):
+        raise AssertionError("transformers was asked to download")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", no_network)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", not_asked)
+    monkeypatch.chdir(tmp_path)
+    config = seq2seq_config("out/fat5-flan-t5-small", tmp_path / "run")
+    with pytest.raises(FAT5Error, match=r"out/fat5-flan-t5-small: no such folder here, and the Hub at .* cannot be "
+                                        r"reached .*Name or service not known"):
+        finetune(config)
+    assert not (tmp_path / "run").exists()
+
+
 def test_no_memory_is_pinned_without_an_accelerator(tmp_path, monkeypatch):
     """On a CPU a finetuning run printed torch's "pin_memory ... no accelerator is found" warning; with an
     accelerator the transformers default (pinned) stays (transformers itself pins nothing under use_cpu)."""

@@ -35,8 +35,27 @@ def resolve_model_path(model: str) -> str:
         return str(folder.resolve())
     if folder.exists() or not _HUB_ID.match(model) or model.startswith((".", "/", "~")):
         raise FAT5Error(f"model: {model} is not a model folder (no such directory) nor a Hub repo id")
+    _refuse_an_unreachable_hub(model)
     _model_config(model)
     return model
+
+
+def _refuse_an_unreachable_hub(model: str) -> None:
+    """transformers' download retries a connection error with backoff for about 30 s before it fails; one request
+    (``model_info`` makes one, without retries) says at once that a name found neither here nor in the Hub's cache
+    cannot be looked up on the Hub."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return
+    try:
+        HfApi().model_info(model)
+    except HfHubHTTPError:
+        return  # the Hub answered: transformers' own error says what it said
+    except Exception as error:  # noqa: BLE001  (connection refused, DNS, timeouts, proxies: the HTTP stack's errors)
+        raise FAT5Error(f"model: {model}: no such folder here, and the Hub at {constants.ENDPOINT} cannot be reached "
+                        f"to look for a repo of that name ({type(error).__name__}: {error})") from None
 
 
 def _model_config(model_path: str):
