@@ -12,11 +12,15 @@ needs care is what transformers 5 does not keep on load, so it is read from the 
   `tie_word_embeddings` (absent: T5's default, tied), except for mT5, which never scales (no mT5 was trained tied,
   and transformers 5's MT5 classes never scale).
 
-transformers 5's UMT5 classes scale the decoder output whatever the checkpoint (they read the forced
-`tie_word_embeddings=True`), unlike the original UMT5 and transformers 4. The verification runs transformers' own
-class with that one switch set to what the raw config says, and records it in the report.
+transformers' UMT5 classes up to 5.17 scale the decoder output whatever the checkpoint (they read the forced
+`tie_word_embeddings=True`), unlike the original UMT5 and transformers 4; later ones read `scale_decoder_outputs`
+(from the raw `tie_word_embeddings`, or the raw `scale_decoder_outputs` that they write). The verification runs
+transformers' own class with the switch it reads set to what the raw config says, and records it in the report; an
+export writes `scale_decoder_outputs` for T5 and UMT5.
 """
 
+import functools
+import inspect
 import json
 import re
 import shutil
@@ -309,6 +313,14 @@ def _make_umt5_decoder_causal(reference, notes: list[str]) -> None:
                      "bug fixed in later releases); the check ran it causal, as UMT5 is")
 
 
+@functools.cache
+def _umt5_scaling_switch() -> str:
+    """The config field the installed UMT5ForConditionalGeneration scales its decoder output by: the forced
+    `tie_word_embeddings` up to transformers 5.17, `scale_decoder_outputs` after."""
+    source = inspect.getsource(_transformers_class("UMT5ForConditionalGeneration").forward)
+    return "scale_decoder_outputs" if "scale_decoder_outputs" in source else "tie_word_embeddings"
+
+
 def _align_reference(reference, model_type: str, scale_decoder_outputs: bool, notes: list[str]) -> None:
     """Make transformers' class scale the decoder output as the raw config says (see the module docstring), and
     its UMT5 decoder causal."""
@@ -319,14 +331,14 @@ def _align_reference(reference, model_type: str, scale_decoder_outputs: bool, no
     if model_type == "t5":
         reference.config.scale_decoder_outputs = scale_decoder_outputs
     elif model_type == "umt5":
-        if reference.config.tie_word_embeddings != scale_decoder_outputs:
+        switch = _umt5_scaling_switch()
+        if getattr(reference.config, switch) != scale_decoder_outputs:
             notes.append(
-                "transformers' UMT5 class scales the decoder output by d_model**-0.5 whenever its (forced) "
-                "tie_word_embeddings is true; the check ran it with scaling "
-                f"{'on' if scale_decoder_outputs else 'off'}, "
-                "as the raw config says (and as the original UMT5 and transformers 4 do)"
+                f"this transformers' UMT5 class scales the decoder output by d_model**-0.5 as its {switch} says "
+                f"({getattr(reference.config, switch)}); the check ran it with scaling "
+                f"{'on' if scale_decoder_outputs else 'off'}, as the raw config says"
             )
-        reference.config.tie_word_embeddings = scale_decoder_outputs
+        setattr(reference.config, switch, scale_decoder_outputs)
     elif scale_decoder_outputs:
         raise ConversionError(
             "scale_decoder_outputs=true for an mT5 checkpoint: transformers' MT5 classes never scale, so it cannot be "
@@ -526,7 +538,7 @@ def _hf_config_for(fat5_config, model_type: str, suffix: str) -> dict:
     raw["architectures"] = [FAMILY_PREFIX[model_type] + suffix]
     # written as the model is, not as transformers 5 forces them (see the module docstring)
     raw["tie_word_embeddings"] = fat5_config.tie_word_embeddings
-    if model_type == "t5":
+    if model_type in ("t5", "umt5"):
         raw["scale_decoder_outputs"] = fat5_config.scale_decoder_outputs
     else:
         raw.pop("scale_decoder_outputs", None)
@@ -591,8 +603,9 @@ def export_hf(
     notes: list[str] = []
     if family == "umt5" and not fat5_config.scale_decoder_outputs and hasattr(target, "lm_head"):
         notes.append(
-            "transformers 5's UMT5 classes scale the decoder output of every checkpoint (as they do for the Hub's "
-            "google/umt5-*); transformers 4 and the original UMT5 follow tie_word_embeddings=false and do not"
+            "the export says scale_decoder_outputs=false, which transformers' UMT5 classes after 5.17 follow; those "
+            "up to 5.17 scale the decoder output of every checkpoint, and transformers 4 follows "
+            f"tie_word_embeddings ({'true: scaling' if fat5_config.tie_word_embeddings else 'false: no scaling'})"
         )
     with atomic_directory(out, overwrite=overwrite, inputs=[source]) as folder:
         _write_hf_weights(target, mapped, folder, out_dtype, max_shard_size)
