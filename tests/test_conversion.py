@@ -24,7 +24,7 @@ from fat5_command import build_parser
 
 def reference_model(folder: Path, model_type: str, suffix: str, scale: bool):
     """transformers' own class on the source; for UMT5 with the decoder-output scaling the raw config asks for
-    (transformers up to 5.17 scales every UMT5 checkpoint by its forced tie_word_embeddings, later ones follow
+    (transformers 5.17 and before scale every UMT5 checkpoint by its forced tie_word_embeddings, 5.24 follows
     scale_decoder_outputs: both are set, see fat5/conversion/convert.py)."""
     model = transformers_class(model_type, suffix).from_pretrained(folder, dtype=torch.float32).eval()
     if model_type == "umt5":

@@ -12,8 +12,8 @@ needs care is what transformers 5 does not keep on load, so it is read from the 
   `tie_word_embeddings` (absent: T5's default, tied), except for mT5, which never scales (no mT5 was trained tied,
   and transformers 5's MT5 classes never scale).
 
-transformers' UMT5 classes up to 5.17 scale the decoder output whatever the checkpoint (they read the forced
-`tie_word_embeddings=True`), unlike the original UMT5 and transformers 4; later ones read `scale_decoder_outputs`
+transformers' UMT5 classes of 5.17 and before scale the decoder output whatever the checkpoint (they read the forced
+`tie_word_embeddings=True`), unlike the original UMT5 and transformers 4; those of 5.24 read `scale_decoder_outputs`
 (from the raw `tie_word_embeddings`, or the raw `scale_decoder_outputs` that they write). The verification runs
 transformers' own class with the switch it reads set to what the raw config says, and records it in the report; an
 export writes `scale_decoder_outputs` for T5 and UMT5.
@@ -316,7 +316,7 @@ def _make_umt5_decoder_causal(reference, notes: list[str]) -> None:
 @functools.cache
 def _umt5_scaling_switch() -> str:
     """The config field the installed UMT5ForConditionalGeneration scales its decoder output by: the forced
-    `tie_word_embeddings` up to transformers 5.17, `scale_decoder_outputs` after."""
+    `tie_word_embeddings` in transformers 5.17 and before, `scale_decoder_outputs` in 5.24."""
     source = inspect.getsource(_transformers_class("UMT5ForConditionalGeneration").forward)
     return "scale_decoder_outputs" if "scale_decoder_outputs" in source else "tie_word_embeddings"
 
@@ -603,8 +603,8 @@ def export_hf(
     notes: list[str] = []
     if family == "umt5" and not fat5_config.scale_decoder_outputs and hasattr(target, "lm_head"):
         notes.append(
-            "the export says scale_decoder_outputs=false, which transformers' UMT5 classes after 5.17 follow; those "
-            "up to 5.17 scale the decoder output of every checkpoint, and transformers 4 follows "
+            "the export says scale_decoder_outputs=false, which transformers 5.24's UMT5 classes follow; those of "
+            "5.17 and before scale the decoder output of every checkpoint, and transformers 4 follows "
             f"tie_word_embeddings ({'true: scaling' if fat5_config.tie_word_embeddings else 'false: no scaling'})"
         )
     with atomic_directory(out, overwrite=overwrite, inputs=[source]) as folder:
