@@ -72,10 +72,16 @@ BIASED_PEERS = ("fat5", "flex", "sdpa_materialised", "sdpa_cudnn_materialised")
 # materialised bias (it has no kernel for a bias that takes a gradient). The bias is materialised outside the
 # timed call: a stack pays it once for all its layers.
 FROZEN_ROUTES = ("fat5_frozen", "fat5_explicit_frozen", "sdpa_cudnn_frozen_bias")
+# FAT5's Hopper T5 kernels (flash-attn-4's SM90 kernels with the bias in FAT5's hooks), the table trained and frozen,
+# beside FA4 without bias, FAT5's Triton kernel and cuDNN without bias
+HOPPER_T5 = ("fa4_t5", "fa4_t5_frozen")
+HOPPER_T5_PEERS = ("sdpa_cudnn_no_bias", "fa4", "fat5") + HOPPER_T5
 # timed from a CUDA graph too (FlexAttention's compiled code and the materialised bias's index backward are not)
-GRAPHED = CEILINGS + ("fat5", "fa4") + FROZEN_ROUTES
+GRAPHED = CEILINGS + ("fat5", "fa4") + FROZEN_ROUTES + HOPPER_T5
 # flash-attn-4, for the problems without a bias (its score_mod route for T5's bias measured 0.40-0.49x cuDNN, issue 42)
 BIAS_FREE_PEERS = CEILINGS + ("fat5", "fa4")
+# what runs without the table's bias whatever the table: compared with the bias-free reference
+WITHOUT_BIAS = CEILINGS + ("fa4",)
 TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-attention, None for self-attention)
     ("t5_d64", "t5", 64, CEILINGS + BIASED_PEERS, None),
     ("cross_d64", "none", 64, BIAS_FREE_PEERS, 4),
@@ -84,6 +90,8 @@ TABLES = [  # (name, position encoding, head_dim, peers, L / queries for cross-a
     ("t5_routes_d64", "t5", 64, ("sdpa_cudnn_no_bias", "fat5") + FROZEN_ROUTES, None),
     ("none_d64", "none", 64, BIAS_FREE_PEERS, None),
     ("cross_d128", "none", 128, BIAS_FREE_PEERS, 4),
+    ("t5_hopper_d64", "t5", 64, HOPPER_T5_PEERS, None),
+    ("t5_hopper_d128", "t5", 128, HOPPER_T5_PEERS, None),
 ]
 DEFAULT_TABLES = ("t5_d64", "cross_d64")
 SWEEP = {  # head_dim 64; (block_m, block_n, warps, stages[, max registers])
@@ -159,6 +167,14 @@ def implementation(name, position_encoding, causal, length, head_dim):
 
         def run(q, k, v, position):
             return fa4_attention(q, k, v, scale=1.0, causal=causal)
+        return run
+    if name in HOPPER_T5:
+        from fat5.kernels.attention_fa4 import fa4_attention
+
+        def run(q, k, v, position):
+            table = position.detach() if name == "fa4_t5_frozen" else position
+            return fa4_attention(q, k, v, scale=1.0, causal=causal,
+                                 position_bias=position_bias(position_encoding, table, causal))
         return run
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
@@ -293,13 +309,13 @@ def correctness(name, position_encoding, causal, head_dim, length=1024, batch=TO
     run = implementation(name, position_encoding, causal, length, head_dim)
     out = run(q, k, v, position)
     grad_out = torch.randn_like(out)
-    frozen = name in CEILINGS or name in FROZEN_ROUTES
+    frozen = name in WITHOUT_BIAS or name in FROZEN_ROUTES or name.endswith("_frozen")
     differentiable = [q, k, v] + ([position] if position.requires_grad and not frozen else [])
     grads = torch.autograd.grad(out, differentiable, grad_out)
     reference = [t.detach().float().requires_grad_() for t in (q, k, v, position)]
     expected = attention(
         *reference[:3], causal=causal, backend="reference",
-        position_bias=position_bias("none" if name in CEILINGS else position_encoding, reference[3], causal),
+        position_bias=position_bias("none" if name in WITHOUT_BIAS else position_encoding, reference[3], causal),
     )
     expected_grads = torch.autograd.grad(expected, reference[: len(differentiable)], grad_out.float())
     errors = {"output": relative_error(out, expected)}
@@ -720,9 +736,10 @@ def _ratios(table_name, rows):
     index = {(r["implementation"], r["causal"], r["length"]): r for r in rows}
     summary = []
     for (name, causal, length), row in sorted(index.items(), key=lambda item: (item[0][1], item[0][2])):
-        if name not in ("fat5", "fa4") + FROZEN_ROUTES or "tflops" not in row.get("forward_backward", {}):
+        if name not in ("fat5", "fa4") + FROZEN_ROUTES + HOPPER_T5 or "tflops" not in row.get("forward_backward", {}):
             continue
         cudnn = index.get(("sdpa_cudnn_no_bias", causal, length), {})
+        fa4 = index.get(("fa4", causal, length), {})
         flash = index.get(("sdpa_flash_no_bias", causal, length), {})
         flex = index.get(("flex", causal, length), {})
         triton = index.get(("fat5", causal, length), {})
@@ -744,6 +761,7 @@ def _ratios(table_name, rows):
             "fwd+bwd / flex": ratio(row, flex, "forward_backward"),
             "fwd+bwd / FAT5 Triton": ratio(row, triton, "forward_backward"),
             "fwd+bwd / FAT5 Triton, graphs": ratio(row, triton, "forward_backward", "graph_tflops"),
+            "fwd+bwd / FA4 no bias": ratio(row, fa4, "forward_backward"),
             "mem / FA2": ratio(row, flash, "forward_backward", "peak_mib"),
         })
     return summary

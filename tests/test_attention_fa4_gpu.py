@@ -1,6 +1,7 @@
 """The flash-attn-4 route on a Hopper GPU against the fp32 reference, with the Triton attention tests' tolerance
 (``pytest -m gpu`` after ``pip install "fat5[hopper]"``): what attention() and attention_varlen() run when the
-routing table sends a bias-free problem to FA4, forward and dq, dk, dv."""
+routing table sends a problem to FA4, bias-free or with T5's bias in FAT5's Hopper T5 kernels, forward and dq, dk,
+dv, and the T5 table's gradient."""
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ pytestmark = [
         route.enabled for route in routes.ATTENTION_ROUTES if route.kernel == "fa4"),
         reason="the FA4 rows are off until these tests pass: run them with FAT5_ATTENTION_ROUTE=fa4"),
 ]
+T5_ROUTE_ON = routes.FORCED_KERNEL == "fa4" or any(
+    route.enabled for route in routes.ATTENTION_ROUTES if route.kernel == "fa4" and "t5" in (route.positions or ()))
+needs_t5_route = pytest.mark.skipif(not T5_ROUTE_ON, reason="the Hopper T5 row is off: FAT5_ATTENTION_ROUTE=fa4")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -57,7 +61,7 @@ def test_packed_rows_against_the_fp32_reference(causal):
     total = sum(lengths)
     query, key = cuda_leaf(total, heads, head_dim, std=0.35), cuda_leaf(total, heads, head_dim, std=0.35)
     value = cuda_leaf(total, heads, head_dim)
-    problem = packed_problem(query, cu_seqlens, cu_seqlens, max(lengths), "none", causal, 0, 0.0)
+    problem = packed_problem(query, cu_seqlens, cu_seqlens, max(lengths), max(lengths), "none", causal, 0, 0.0)
     assert attention_kernel("auto", query, lambda: problem) == "fa4"
 
     def run(backend, q, k, v):
@@ -86,10 +90,9 @@ def test_packed_cross_attention_with_an_empty_key_segment_gives_zeros():
     assert not run("auto", query, key, value)[300:340].any()
 
 
-def test_a_bias_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton():
+def test_alibi_an_unaligned_causal_problem_or_a_decoding_step_stays_on_triton():
     query = torch.zeros(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
-    table = torch.zeros(32, 2, device="cuda")
-    biased = padded_problem(query, query, PositionBias.t5(table).kind, False, None, 0, 0.0)
+    biased = padded_problem(query, query, "alibi", False, None, 0, 0.0)
     assert attention_kernel("auto", query, lambda: biased) == "triton"
     key = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     unaligned = padded_problem(query, key, "none", True, None, 0, 0.0)
@@ -135,6 +138,131 @@ def test_forward_and_backward_replay_from_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(relative_error(c, e) < 1e-3 for c, e in zip(captured, eager))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# T5's bias in FAT5's Hopper T5 kernels
+
+
+def t5_leaves(batch_shape, head_dim, heads, dtype=torch.bfloat16):
+    std = head_dim**-0.25  # unit-variance scores with T5's scale of 1
+    return (cuda_leaf(*batch_shape, std=std, dtype=dtype), cuda_leaf(*batch_shape, std=std, dtype=dtype),
+            cuda_leaf(*batch_shape, dtype=dtype), cuda_leaf(32, heads, std=2.0, dtype=torch.float32))
+
+
+@needs_t5_route
+@pytest.mark.parametrize("dtype, head_dim, causal, length", [
+    (torch.bfloat16, 64, False, 1531), (torch.bfloat16, 64, False, 128), (torch.bfloat16, 64, True, 2048),
+    (torch.bfloat16, 64, True, 777), (torch.float16, 64, False, 4096), (torch.bfloat16, 128, False, 1100),
+    (torch.bfloat16, 128, True, 1024),
+])
+def test_t5_padded_rows_against_the_fp32_reference(dtype, head_dim, causal, length):
+    """The encoder's bidirectional buckets and the decoder's causal ones, the table trained: output, dq, dk, dv and
+    the table's gradient; lengths that leave partial tiles, and one whose every tile is near. (Each new dtype, head
+    dim or mask compiles two CuTe kernels, seconds each: the cases share them.)"""
+    torch.manual_seed(10)
+    heads = 4
+    inputs = t5_leaves((2, heads, length, head_dim), head_dim, heads, dtype)
+    problem = padded_problem(inputs[0], inputs[1], "t5", causal, None, 0, 0.0)
+    assert attention_kernel("auto", inputs[0], lambda: problem) == "fa4"
+
+    def run(backend, q, k, v, table):
+        return attention(q, k, v, causal=causal, backend=backend,
+                         position_bias=PositionBias.t5(table, bidirectional=not causal))
+
+    check_against_fp32_reference(run, list(inputs), backend="auto")
+
+
+@needs_t5_route
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (64, True), (128, False)])
+def test_t5_packed_rows_against_the_fp32_reference(head_dim, causal):
+    """Segments shorter than max_distance, longer than several tiles, of one token and empty: positions restart
+    at 0 in each."""
+    torch.manual_seed(11)
+    heads = 6
+    lengths = [1000, 37, 0, 513, 2048, 1, 129]
+    cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    inputs = t5_leaves((sum(lengths), heads, head_dim), head_dim, heads)
+    problem = packed_problem(inputs[0], cu_seqlens, cu_seqlens, max(lengths), max(lengths), "t5", causal, 0, 0.0)
+    assert attention_kernel("auto", inputs[0], lambda: problem) == "fa4"
+
+    def run(backend, q, k, v, table):
+        return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=causal,
+                                backend=backend, position_bias=PositionBias.t5(table, bidirectional=not causal))
+
+    check_against_fp32_reference(run, list(inputs), backend="auto")
+
+
+@needs_t5_route
+def test_t5_frozen_table():
+    """No far sums, no band pass: dq, dk, dv alone."""
+    torch.manual_seed(12)
+    query, key, value, table = t5_leaves((2, 4, 1500, 64), 64, 4)
+    table = table.detach()
+
+    def run(backend, q, k, v):
+        return attention(q, k, v, backend=backend, position_bias=PositionBias.t5(table))
+
+    check_against_fp32_reference(run, [query, key, value], backend="auto")
+
+
+@needs_t5_route
+def test_t5_a_band_narrower_than_a_tile():
+    """max_distance 32: tiles that hold both far sides and the band at once."""
+    torch.manual_seed(15)
+    inputs = t5_leaves((2, 4, 700, 64), 64, 4)
+
+    def run(backend, q, k, v, table):
+        return attention(q, k, v, backend=backend, position_bias=PositionBias.t5(table, max_distance=32))
+
+    check_against_fp32_reference(run, list(inputs), backend="auto")
+
+
+@needs_t5_route
+def test_t5_table_gradient_varies_only_by_fp32_rounding():
+    """The far buckets' sums are added with fp32 atomics in an order that varies: two runs agree to rounding."""
+    torch.manual_seed(13)
+    query, key, value, table = t5_leaves((4, 12, 2048, 64), 64, 12)
+    gradients = []
+    for _ in range(3):
+        out = attention(query, key, value, position_bias=PositionBias.t5(table))
+        gradients.append(torch.autograd.grad(out, table, torch.ones_like(out))[0])
+    assert all(relative_error(g, gradients[0]) < 1e-5 for g in gradients[1:])
+
+
+@needs_t5_route
+def test_t5_torch_compile_fullgraph_and_cuda_graph_replay():
+    torch.manual_seed(14)
+    query, key, value, table = t5_leaves((2, 4, 1024, 64), 64, 4)
+
+    def step(q, k, v, t):
+        return attention(q * 1.0, k, v, causal=True, position_bias=PositionBias.t5(t, bidirectional=False))
+
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(query, key, value, table).float().square().mean()
+    grads = torch.autograd.grad(loss, (query, key, value, table))
+    expected = step(query, key, value, table).float().square().mean()
+    expected_grads = torch.autograd.grad(expected, (query, key, value, table))
+    assert torch.allclose(loss, expected, rtol=1e-3)
+    assert all(relative_error(g, e) < 1e-3 for g, e in zip(grads, expected_grads))
+
+    grad_out = torch.randn(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
+
+    def training_step():
+        out = step(query, key, value, table)
+        return (out, *torch.autograd.grad(out, (query, key, value, table), grad_out))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = training_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = training_step()
     graph.replay()
     torch.cuda.synchronize()
     assert all(relative_error(c, e) < 1e-3 for c, e in zip(captured, eager))

@@ -47,7 +47,7 @@ def problem_of(route) -> AttentionProblem:
     return AttentionProblem(
         first_value(route.capabilities, HOPPER), first_value(route.dtypes, torch.bfloat16),
         first_value(route.head_dims, 64), first_value(route.positions, "t5"), first_value(route.maskings, "none"),
-        first_value(route.packed, False), False, max(route.min_queries, 1),
+        first_value(route.packed, False), False, max(route.min_queries, 1), max(route.min_keys, 1), True,
     )
 
 
@@ -77,25 +77,51 @@ def test_the_last_row_covers_every_problem():
                 assert last.covers(problem)
 
 
-def test_head_dim_128_waits_for_its_measurement():
-    problem = dataclasses.replace(FA4_PROBLEM, head_dim=128)
-    assert table_kernel(problem, forced=None, available=every_kernel) == "triton"
-    assert not next(r for r in ATTENTION_ROUTES if r.head_dims == frozenset({128})).enabled
+def test_head_dim_128_takes_fa4_from_the_key_length_it_was_measured_ahead():
+    problem = dataclasses.replace(FA4_PROBLEM, head_dim=128, keys=2048)
+    assert table_kernel(problem, forced=None, available=every_kernel) == "fa4"
+    shorter = dataclasses.replace(problem, keys=1024)
+    assert table_kernel(shorter, forced=None, available=every_kernel) == "triton"
 
 
-def test_fa4_waits_for_its_gpu_tests_and_then_serves_the_bias_free_hopper_problems():
-    assert not [route for route in ATTENTION_ROUTES if route.kernel == "fa4" and route.enabled]
+def test_fa4_serves_the_bias_free_hopper_problems():
     for dtype in (torch.bfloat16, torch.float16):
         for masking in ("none", "causal_aligned"):
             for packed in (False, True):
                 problem = dataclasses.replace(FA4_PROBLEM, dtype=dtype, masking=masking, packed=packed)
-                assert table_kernel(problem, forced=None, available=every_kernel) == "triton"
+                assert table_kernel(problem, forced=None, available=every_kernel) == "fa4"
+
+
+def test_the_hopper_t5_kernels_serve_training_problems_from_position_zero_once_on():
+    t5 = dataclasses.replace(FA4_PROBLEM, position="t5")
+    t5_row = next(route for route in ATTENTION_ROUTES if route.kernel == "fa4" and route.positions == {"t5"})
+    expected = "fa4" if t5_row.enabled else "triton"
+    for head_dim in (64, 128):
+        for masking in ("none", "causal_aligned"):
+            for packed in (False, True):
+                problem = dataclasses.replace(t5, head_dim=head_dim, masking=masking, packed=packed)
+                assert table_kernel(problem, forced=None, available=every_kernel) == expected
                 assert table_kernel(problem, forced="fa4", available=every_kernel) == "fa4"
+    # a prefill after cached keys (the bias would need the query offset) or a decoding step stays on Triton
+    for change in ({"offset_zero": False}, {"queries": 1}, {"masking": "causal_offset"}, {"head_dim": 32},
+                   {"dtype": torch.float32}):
+        assert table_kernel(dataclasses.replace(t5, **change), forced="fa4", available=every_kernel) == "triton"
+
+
+def test_the_problems_say_whether_the_first_query_sits_at_position_zero():
+    query, key = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 6, 8)
+    assert padded_problem(query, key, "t5", False, None, 0, 0.0).offset_zero
+    assert not padded_problem(query, key, "t5", True, None, 2, 0.0).offset_zero
+    assert not padded_problem(query, key, "t5", True, None, torch.tensor(0), 0.0).offset_zero
+    assert padded_problem(query, key, "t5", False, None, 0, 0.0).keys == 6
+    cu_seqlens = torch.tensor([0, 2, 6], dtype=torch.int32)
+    packed = packed_problem(query[0, 0], cu_seqlens, cu_seqlens, 4, 5, "t5", True, 0, 0.0)
+    assert packed.offset_zero and packed.keys == 5
 
 
 @pytest.mark.parametrize("change", [
     {"capability": None}, {"capability": (8, 0)}, {"capability": (8, 9)}, {"capability": (10, 0)},
-    {"capability": (12, 0)}, {"position": "t5"}, {"position": "alibi"}, {"position": "bias"},
+    {"capability": (12, 0)}, {"position": "alibi"}, {"position": "bias"},
     {"dtype": torch.float32}, {"head_dim": 32}, {"head_dim": 80}, {"masking": "causal_offset"},
     {"masking": "key_padding"}, {"dropout": True}, {"queries": 1}, {"queries": 127},
 ])
@@ -195,13 +221,13 @@ def test_padded_masking():
 def test_packed_masking():
     query = torch.zeros(6, 4, 8)
     cu_seqlens = torch.tensor([0, 2, 6], dtype=torch.int32)
-    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, "none", False, 0, 0.0).masking == "none"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 0, 0.0).masking == "causal_aligned"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 0, 0.0).queries == 4
+    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, 4, "none", False, 0, 0.0).masking == "none"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, 4, "none", True, 0, 0.0).masking == "causal_aligned"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, 4, "none", True, 0, 0.0).queries == 4
     # equal values in another tensor: telling them equal would read the device, so they count as unaligned
-    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, "none", True, 0, 0.0).masking == "causal_offset"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, 1, 0.0).masking == "causal_offset"
-    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, "none", True, torch.tensor(0), 0.0).masking == (
+    assert packed_problem(query, cu_seqlens, cu_seqlens.clone(), 4, 4, "none", True, 0, 0.0).masking == "causal_offset"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, 4, "none", True, 1, 0.0).masking == "causal_offset"
+    assert packed_problem(query, cu_seqlens, cu_seqlens, 4, 4, "none", True, torch.tensor(0), 0.0).masking == (
         "causal_offset"
     )
 
@@ -301,8 +327,9 @@ def test_packed_rows_through_fa4s_arguments_attend_within_their_example(segment_
     scores = (dense[0] @ dense[1].transpose(-1, -2)).masked_fill(~same_example[:, None], float("-inf"))
     expected = (torch.softmax(scores, dim=-1) @ dense[2]).transpose(1, 2).reshape(batch * length, 2, 8)
 
-    assert packed_problem(query, cu_seqlens, cu_seqlens, layout.max_seqlen, "none", causal, 0, 0.0).masking in (
-        "none", "causal_aligned")
+    problem = packed_problem(query, cu_seqlens, cu_seqlens, layout.max_seqlen, layout.max_seqlen, "none", causal, 0,
+                             0.0)
+    assert problem.masking in ("none", "causal_aligned")
     through_fa4 = fa4_varlen_semantics(query, key, value, cu_seqlens, cu_seqlens, 1.0, causal)
     torch.testing.assert_close(through_fa4, expected)
     fat5 = attention_varlen(query, key, value, cu_seqlens, cu_seqlens, layout.max_seqlen, layout.max_seqlen,
@@ -359,7 +386,7 @@ def test_the_adapter_hands_fa4_its_layout_and_t5s_scale(monkeypatch):
     calls = []
 
     def recording(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                  return_lse):
+                  return_lse, table=None, bidirectional=True, max_distance=128):
         calls.append((query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal))
         return query * 2, None
 
@@ -399,18 +426,24 @@ def test_the_custom_ops_fake_shapes_are_fa4s():
 
     with FakeTensorMode():
         query, key = torch.empty(2, 3, 4, 64, dtype=torch.bfloat16), torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
-        out, lse = fa4_attention_forward_op(query, key, key, None, None, 3, 5, 1.0, False)
+        out, lse = fa4_attention_forward_op(query, key, key, None, None, None, 3, 5, 1.0, False, True, 128)
         assert out.shape == query.shape and out.dtype == torch.bfloat16
         # a (batch, heads, length, head_dim)-contiguous query reaches FA4 as a transposed view; FA4's output is
         # contiguous all the same, and Inductor reads it with the strides the fake gives
         transposed = torch.empty(2, 4, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
-        out, _ = fa4_attention_forward_op(transposed, key, key, None, None, 3, 5, 1.0, False)
+        out, _ = fa4_attention_forward_op(transposed, key, key, None, None, None, 3, 5, 1.0, False, True, 128)
         assert out.shape == transposed.shape and out.is_contiguous()
         assert lse.shape == (2, 4, 3) and lse.dtype == torch.float32
-        grads = fa4_attention_backward_op(out, query, key, key, out, lse, None, None, 3, 5, 1.0, False)
-        assert [g.shape for g in grads] == [query.shape, key.shape, key.shape]
+        grads = fa4_attention_backward_op(out, query, key, key, out, lse, None, None, None, 3, 5, 1.0, False, True,
+                                          128, False)
+        assert [g.shape for g in grads] == [query.shape, key.shape, key.shape, (0,)]
+        table = torch.empty(32, 4)
+        grads = fa4_attention_backward_op(out, query, key, key, out, lse, None, None, table, 3, 5, 1.0, False, True,
+                                          128, True)
+        assert grads[3].shape == table.shape
 
         tokens = torch.empty(7, 4, 64, dtype=torch.bfloat16)
         cu_seqlens = torch.empty(3, dtype=torch.int32)
-        out, lse = fa4_attention_forward_op(tokens, tokens, tokens, cu_seqlens, cu_seqlens, 4, 4, 1.0, True)
+        out, lse = fa4_attention_forward_op(tokens, tokens, tokens, cu_seqlens, cu_seqlens, None, 4, 4, 1.0, True,
+                                            True, 128)
         assert out.shape == tokens.shape and lse.shape == (4, 7)

@@ -182,6 +182,49 @@ def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, ca
     compare((query, key, value, table), kernel, reference, 1e-4, 1e-3)
 
 
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_t5_band_table_gradient_plus_the_far_sums_is_the_table_gradient(causal, packed):
+    """The Hopper T5 route's table gradient: the band |rel| <= max_distance summed here, the far sums (taken by the
+    route's backward, here from the truth) added to the end buckets, equals the gradient of the whole table."""
+    torch.manual_seed(4)
+    heads, head_dim, max_distance = 2, 16, 8
+    lengths = [45, 9, 33] if packed else [41, 41]
+    position = PositionBias.t5(torch.randn(8, heads, device=DEVICE), bidirectional=not causal,
+                               max_distance=max_distance)
+    segments = []
+    for length in lengths:  # each segment's truth: output, log-sum-exp, score gradient and table gradient
+        q, k, v = (torch.randn(1, heads, length, head_dim, device=DEVICE) for _ in range(3))
+        relative = torch.arange(length, device=DEVICE)[None, :] - torch.arange(length, device=DEVICE)[:, None]
+        bias = position.tensor[hf_bucket(relative, not causal, 8, max_distance)].permute(2, 0, 1).requires_grad_()
+        scores = (q @ k.transpose(-1, -2) + bias).masked_fill(causal & (relative > 0), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+        grad_out = torch.randn_like(out)
+        (score_grad,) = torch.autograd.grad(out, bias, grad_out)
+        segments.append((q, k, v, out.detach(), torch.logsumexp(scores, dim=-1).detach() / math.log(2), grad_out,
+                         score_grad, relative))
+    far_sums = torch.stack([
+        sum(g[:, r < -max_distance].sum(dim=-1) for *_, g, r in segments),
+        sum(g[:, r > max_distance].sum(dim=-1) for *_, g, r in segments),
+    ], dim=-1)
+    table_truth = sum(torch.zeros(8, heads, device=DEVICE).index_put_(
+        (hf_bucket(r, not causal, 8, max_distance).flatten()[:, None], torch.arange(heads, device=DEVICE)[None, :]),
+        g.flatten(1).T, accumulate=True) for *_, g, r in segments)
+    if packed:
+        q, k, v, out, grad_out = (torch.cat([s[index][0].transpose(0, 1) for s in segments]) for index in (0, 1, 2,
+                                                                                                         3, 5))
+        lse = torch.cat([s[4][0] for s in segments], dim=1)
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0)], dtype=torch.int32, device=DEVICE)
+        packing = (cu_seqlens, cu_seqlens, max(lengths), max(lengths))
+    else:
+        q, k, v, out, lse, grad_out = (torch.cat([s[index] for s in segments]) for index in range(6))
+        packing = (None, None, lengths[0], lengths[0])
+    table_grad = attention_triton.t5_band_table_gradient(grad_out, q, k, v, out, lse, position, *packing, 1.0, causal,
+                                                         far_sums)
+    assert relative_error(table_grad, table_truth) <= 1e-5
+
+
 @st.composite
 def dense_problems(draw):
     position_encoding = draw(st.sampled_from(["none", "t5", "t5", "alibi", "bias"]))

@@ -87,6 +87,11 @@ def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offs
     return torch.matmul(probs, value.float()).to(query.dtype), probs
 
 
+def _fa4_bias(position_bias: PositionBias) -> PositionBias | None:
+    """What the FA4 route takes: a T5 bias, or None (the routes send it no other kind)."""
+    return position_bias if position_bias.kind == "t5" else None
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -125,7 +130,7 @@ def attention(
     if kernel == "fa4":
         from .attention_fa4 import fa4_attention
 
-        return fa4_attention(query, key, value, scale=scale, causal=causal)
+        return fa4_attention(query, key, value, scale=scale, causal=causal, position_bias=_fa4_bias(position_bias))
     if kernel == "triton":
         from .attention_triton import flash_attention
 
@@ -211,12 +216,13 @@ def attention_varlen(
         "dropout_p": dropout_p,
     }
     kernel = attention_kernel(backend, query, lambda: packed_problem(
-        query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_bias.kind, causal, query_offset, dropout_p))
+        query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, position_bias.kind, causal, query_offset,
+        dropout_p))
     if kernel == "fa4":
         from .attention_fa4 import fa4_attention_varlen
 
         return fa4_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    scale=scale, causal=causal)
+                                    scale=scale, causal=causal, position_bias=_fa4_bias(position_bias))
     if kernel == "triton":
         from .attention_triton import flash_attention_varlen
 

@@ -29,6 +29,7 @@ try:
         _attention_forward_kernel,
         _backward_preprocess_kernel,
         _split_combine_kernel,
+        _t5_band_distance_grad_kernel,
         _t5_bias_bank_kernel,
         _t5_bias_by_distance_kernel,
         _t5_table_gradient_kernel,
@@ -420,6 +421,53 @@ def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table
             num_positions, table.shape[0], BLOCK=next_power_of_2(num_positions),
         )
     return table_grad
+
+
+def t5_band_table_gradient(
+    grad_out, query, key, value, out, lse_log2, position: PositionBias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, scale: float, causal: bool, far_sums: torch.Tensor,
+) -> torch.Tensor:
+    """The T5 table's gradient of an attention call with query offset 0 whose backward ran elsewhere: the score
+    gradient over the band ``|rel| <= max_distance``, recomputed and summed by relative position here
+    (``_t5_band_distance_grad_kernel``), and ``far_sums`` (heads, 2): its sums over ``rel < -max_distance`` and
+    ``rel > max_distance``, which that backward took. Tensors as ``flash_attention`` takes them ((batch, heads,
+    length, head_dim), or packed with ``cu_seqlens``); ``lse_log2`` the forward's row log-sum-exp in log2 units,
+    +inf where a row sees no key."""
+    problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    device = query.device
+    config = _config("dkdv", device, problem.head_dim, query.dtype)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    max_distance = position.max_distance
+    buckets, bias_rows = _t5_bias_by_distance(position.tensor, position.bidirectional, position.num_buckets,
+                                              max_distance)
+    num_n_blocks = cdiv(problem.seqlen_k, config.block_n)
+    distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
+                                dtype=torch.float32, device=device)
+    dummy = lse_log2
+    cu_pointers = (dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k)
+    with device_guard(device):
+        delta = torch.empty_like(lse_log2)
+        preprocess_block = 64 if device.type == "cuda" else 16
+        _backward_preprocess_kernel[(cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
+            out, grad_out, delta, cu_pointers[0],
+            *_token_strides(out, problem), *_token_strides(grad_out, problem), *_row_stats_strides(delta, problem),
+            problem.num_heads, problem.seqlen_q,
+            HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
+        )
+        _t5_band_distance_grad_kernel[(num_n_blocks, problem.batch * problem.num_heads)](
+            query, key, value, grad_out, lse_log2, delta, bias_rows, distance_grad, *cu_pointers,
+            *_token_strides(query, problem), *_token_strides(key, problem), *_token_strides(value, problem),
+            *_token_strides(grad_out, problem), *_row_stats_strides(lse_log2, problem), bias_rows.stride(0),
+            problem.num_heads, problem.seqlen_q, problem.seqlen_k, scale * 1.4426950408889634,
+            HEAD_DIM=problem.head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MAX_DISTANCE=max_distance,
+            CAUSAL=causal, IS_VARLEN=problem.is_varlen,
+            EVEN_M=not problem.is_varlen and problem.seqlen_q % config.block_m == 0,
+            INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
+        )
+    distance_grad[0, 0, :, 0] += far_sums[:, 0]
+    distance_grad[0, 0, :, -1] += far_sums[:, 1]
+    return _t5_table_gradient(distance_grad, buckets, position.tensor)
 
 
 def _backward(

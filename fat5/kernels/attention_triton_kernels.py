@@ -1080,3 +1080,61 @@ def _attention_backward_dq_kernel(
     dq_base = DQ + batch64 * stride_dqb + head64 * stride_dqh + q_start * stride_dqm
     tl.store(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=in_rows[:, None])
+
+
+@_jit_for_varying_shapes
+def _t5_band_distance_grad_kernel(
+    Q, K, V, GradOut, Lse, Delta, Bias, DistanceGrad, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_gb, stride_gh, stride_gm,
+    stride_lse_b, stride_lse_h,
+    stride_bias_h,
+    num_heads, seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_DISTANCE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """The T5 table gradient's band ``|rel| <= MAX_DISTANCE`` for one key block, query offset 0: the score gradient of
+    the query blocks that reach the band, recomputed, summed along its diagonals into this program's row of
+    ``DistanceGrad`` (slots 1 .. 2 * MAX_DISTANCE + 1; the end slots, everything beyond, are left to the caller:
+    the Hopper T5 kernels' backward sums them, ``attention_fa4_t5_kernels``). No dk, dv or dq: two products a
+    tile where the dk/dv kernel takes four, over about (BLOCK_N + 2 * MAX_DISTANCE) / BLOCK_M query blocks."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch64, head64, q_start, seqlen_q, _k_start, seqlen_k, start_n, keys, k, v, key_keep, _bias_scalar = (
+        _key_block_setup(
+        K, V, K, Bias, CuSeqlensQ, CuSeqlensK,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, 0, stride_bias_h,
+        num_heads, seqlen_q, seqlen_k, pid_n, pid_bh, BLOCK_N, HEAD_DIM, POSITION_T5, False, IS_VARLEN,
+    ))
+    if start_n >= seqlen_k:
+        return
+    q_base = Q + batch64 * stride_qb + head64 * stride_qh + q_start * stride_qm
+    do_base = GradOut + batch64 * stride_gb + head64 * stride_gh + q_start * stride_gm
+    lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+    bias_base = Bias + head64 * stride_bias_h
+    distance_row = DistanceGrad + ((batch64 * tl.num_programs(0) + pid_n) * num_heads + head64) * (2 * MAX_DISTANCE + 3)
+    # query block b holds rel from start_n - (b + 1) * BLOCK_M + 1 to start_n + BLOCK_N - 1 - b * BLOCK_M
+    block_lo = tl.maximum(_floor_div(start_n - MAX_DISTANCE, BLOCK_M), 0)
+    if CAUSAL:  # blocks wholly before the keys see none of them
+        block_lo = tl.maximum(block_lo, start_n // BLOCK_M)
+    block_hi = tl.minimum(_floor_div(start_n + BLOCK_N - 1 + MAX_DISTANCE, BLOCK_M) + 1, tl.cdiv(seqlen_q, BLOCK_M))
+    beyond = tl.zeros([], dtype=tl.float32)  # the sums beyond either end, which this pass leaves out
+    for block in range(block_lo, block_hi):
+        _q, _do, _p_t, ds_t = _backward_tile_ds(
+            k, v, keys, key_keep, q_base, do_base, stride_qm, stride_gm, lse_base, delta_base,
+            bias_base, 0, 0, seqlen_q, seqlen_k, 0, qk_scale, 0.0, block,
+            BLOCK_M, BLOCK_N, HEAD_DIM, POSITION_T5, BIAS_PER_SCORE, MAX_DISTANCE, True, CAUSAL, False, EVEN_M,
+            INPUT_PRECISION,
+        )
+        _near_tile_table_gradient(
+            ds_t, distance_row, start_n - block * BLOCK_M, beyond, beyond, BLOCK_M, BLOCK_N, MAX_DISTANCE,
+        )

@@ -4,15 +4,16 @@
 ask :func:`attention_kernel` for ``"reference"`` (PyTorch), ``"triton"`` (FAT5's kernels) or ``"fa4"``
 (flash-attn-4's CuTe DSL kernels, ``pip install "fat5[hopper]"``). The first enabled row of ``ATTENTION_ROUTES``
 whose kernel can run and that covers the problem serves it. FA4 serves only what it computes exactly as FAT5
-defines attention: no position bias in the kernel (T5's cross-attention; RoPE or no-position self-attention, whose
-rotation happens before the kernel) and masks it can express (see :data:`MASKINGS`), on whole sequences, not on
-a decoding step's few queries.
+defines attention: no position bias (T5's cross-attention; RoPE or no-position self-attention, whose rotation
+happens before the kernel) or T5's bias through FAT5's Hopper T5 kernels with the first query at position 0
+(``attention_fa4_t5_kernels.py``), and masks it can express (see :data:`MASKINGS`), on whole sequences, not on a
+decoding step's few queries.
 
 ``FAT5_ATTENTION_ROUTE`` in the environment (read once, at import): unset or ``auto``, the table decides;
 ``triton`` keeps every problem on the Triton kernels, for A/B measurements of the same model; ``fa4`` turns on the
 table's FA4 rows that are written but off, for checking and measuring them on a GPU (they still serve only the
-problems they cover). Both FA4 rows are off: FA4's kernels were measured (issue 42), FAT5's adapter around them has
-not yet run on a GPU, and a route is on only once ``tests/test_attention_fa4_gpu.py`` has passed there.
+problems they cover). A row is on only once ``tests/test_attention_fa4_gpu.py`` has passed on a GPU and its benchmark
+won there; each row says where its figures are.
 """
 
 import importlib.metadata
@@ -43,7 +44,8 @@ FA4_SERIES = (4, 0)  # pyproject.toml's hopper extra pins the same
 class AttentionProblem:
     """What decides the kernel of one attention call. ``capability`` is the CUDA device's (major, minor), None for
     CPU tensors; ``position`` a ``PositionBias.kind``; ``masking`` one of :data:`MASKINGS`; ``queries`` the query
-    length of a row (padded) or its bound, ``max_seqlen_q`` (packed)."""
+    length of a row (padded) or its bound, ``max_seqlen_q`` (packed); ``keys`` the same for the keys;
+    ``offset_zero`` whether the first query sits at position 0 (``query_offset == 0``)."""
 
     capability: tuple[int, int] | None
     dtype: torch.dtype
@@ -53,6 +55,8 @@ class AttentionProblem:
     packed: bool
     dropout: bool
     queries: int
+    keys: int = 0
+    offset_zero: bool = True
 
     def __post_init__(self):
         if self.position not in POSITIONS:
@@ -67,7 +71,8 @@ class AttentionProblem:
 class AttentionRoute:
     """One row of the table: ``kernel`` serves every problem within its sets (None: any value). ``enabled`` False
     keeps a row written but unused until it is measured; ``measurement`` says where its figures are;
-    ``min_queries`` leaves shorter query blocks (a decoding step's) to the next row."""
+    ``min_queries`` / ``min_keys`` leave shorter query blocks (a decoding step's) / key sequences to the next row;
+    ``offset_zero`` serves only problems whose first query sits at position 0."""
 
     kernel: str
     measurement: str
@@ -79,6 +84,8 @@ class AttentionRoute:
     packed: frozenset | None = None
     dropout: bool = False
     min_queries: int = 0
+    min_keys: int = 0
+    offset_zero: bool = False
     enabled: bool = True
 
     def covers(self, problem: AttentionProblem) -> bool:
@@ -88,31 +95,43 @@ class AttentionRoute:
         )
         return all(values is None or value in values for values, value in wanted) and (
             self.dropout or not problem.dropout
-        ) and problem.queries >= self.min_queries
+        ) and problem.queries >= self.min_queries and problem.keys >= self.min_keys and (
+            problem.offset_zero or not self.offset_zero
+        )
 
 
 _FA4_PROBLEMS = {
     "capabilities": frozenset({(9, 0)}),
     "dtypes": frozenset({torch.bfloat16, torch.float16}),
-    "positions": frozenset({"none"}),
     "maskings": frozenset({"none", "causal_aligned"}),
     # a decoding step (one query, or a few) keeps Triton's decode kernel, measured at 73-98% of the copy bandwidth
     # (benchmarks/README.md); FA4 was measured on whole sequences, and 128 queries are one of its forward tiles
     "min_queries": 128,
 }
+_FA4_BIAS_FREE = (
+    "H200, 2026-11-29 (issue 48; flash-attn-4 4.0.0b36): FAT5_ATTENTION_ROUTE=fa4 tests/test_attention_fa4_gpu.py "
+    "passed; benchmarks/attention.py --tables cross_d64 none_d64 cross_d128, forward+backward against SDPA's cuDNN "
+    "kernel without bias: "
+)
 ATTENTION_ROUTES = (
     AttentionRoute(
-        "fa4", head_dims=frozenset({64}), **_FA4_PROBLEMS, enabled=False,
-        measurement="off until tests/test_attention_fa4_gpu.py passes on a GPU (FAT5_ATTENTION_ROUTE=fa4 runs it). "
-        "Kernel: issue 42 (H100, 2026-11-28, flash-attn-4 4.0.0b36, bf16, 12 heads, 32,768 tokens): forward+"
-        "backward 1.09-1.16x SDPA's cuDNN kernel without bias at L 512-4096 (0.73x at 512 in a second run), "
-        "1.11 / 1.19x causal at 1024 / 2048; FAT5's Triton kernel without bias: 0.74-0.80x cuDNN for "
-        "cross-attention (benchmarks/README.md, attention.json). fp16 and packed rows run the same kernels, not "
-        "measured apart; benchmarks/attention.py's fa4 route measures them beside Triton and cuDNN",
+        "fa4", head_dims=frozenset({64}), positions=frozenset({"none"}), **_FA4_PROBLEMS,
+        measurement=_FA4_BIAS_FREE + "self-attention 1.08-1.17x at L 1024-16384 (1.37-1.56x FAT5's Triton kernel), "
+        "causal 1.14-1.19x from 2048; cross-attention (L/4 queries) replayed from CUDA graphs 1.06-1.18x (1.14-1.57x "
+        "Triton) at every length. At L 512 eager FA4 trails (0.72x cuDNN, 0.84x Triton) but leads replayed from "
+        "graphs (1.09x, 1.28x Triton), as compiled training steps run; the base pretraining job with cross-attention "
+        "on FA4: 396,642 real tokens/s against 390,390",
     ),
     AttentionRoute(
-        "fa4", head_dims=frozenset({128}), **_FA4_PROBLEMS, enabled=False,
-        measurement="not yet measured: off until benchmarks/attention.py --tables cross_d128 shows FA4 ahead",
+        "fa4", head_dims=frozenset({128}), positions=frozenset({"none"}), min_keys=2048, **_FA4_PROBLEMS,
+        measurement=_FA4_BIAS_FREE + "cross-attention at head dim 128 1.02-1.10x from L 2048; shorter keys stay on "
+        "Triton (not shown ahead there)",
+    ),
+    AttentionRoute(
+        "fa4", head_dims=frozenset({64, 128}), positions=frozenset({"t5"}), offset_zero=True, **_FA4_PROBLEMS,
+        enabled=False,
+        measurement="FAT5's Hopper T5 kernels: off until tests/test_attention_fa4_gpu.py passes on a GPU and "
+        "benchmarks/attention.py --tables t5_hopper_d64 t5_hopper_d128 shows them ahead of Triton",
     ),
     AttentionRoute(
         "triton", dropout=True,
@@ -205,6 +224,11 @@ def _capability(tensor: torch.Tensor) -> tuple[int, int] | None:
     return properties.major, properties.minor
 
 
+def _is_zero(query_offset) -> bool:
+    """A query offset known to be 0 without reading the device (a tensor offset is a decoding step's)."""
+    return not isinstance(query_offset, torch.Tensor) and query_offset == 0
+
+
 def padded_problem(query, key, position_kind, causal, key_padding_mask, query_offset, dropout_p) -> AttentionProblem:
     """The problem of ``attention``: (batch, heads, length, head_dim) tensors."""
     if key_padding_mask is not None:
@@ -215,11 +239,11 @@ def padded_problem(query, key, position_kind, causal, key_padding_mask, query_of
         aligned = not isinstance(query_offset, torch.Tensor) and query_offset == key.shape[2] - query.shape[2]
         masking = "causal_aligned" if aligned else "causal_offset"
     return AttentionProblem(_capability(query), query.dtype, query.shape[-1], position_kind, masking, False,
-                            dropout_p > 0.0, query.shape[2])
+                            dropout_p > 0.0, query.shape[2], key.shape[2], _is_zero(query_offset))
 
 
-def packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_kind, causal, query_offset,
-                   dropout_p) -> AttentionProblem:
+def packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, position_kind, causal,
+                   query_offset, dropout_p) -> AttentionProblem:
     """The problem of ``attention_varlen``: (tokens, heads, head_dim) tensors. A causal problem is aligned only
     when queries and keys share one cu_seqlens tensor (every segment then as long in both, known without reading
     the device) and the offset is 0."""
@@ -229,4 +253,4 @@ def packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, position_kin
         aligned = cu_seqlens_q is cu_seqlens_k and not isinstance(query_offset, torch.Tensor) and query_offset == 0
         masking = "causal_aligned" if aligned else "causal_offset"
     return AttentionProblem(_capability(query), query.dtype, query.shape[-1], position_kind, masking, True,
-                            dropout_p > 0.0, max_seqlen_q)
+                            dropout_p > 0.0, max_seqlen_q, max_seqlen_k, _is_zero(query_offset))
