@@ -204,10 +204,10 @@ def test_t5_band_table_gradient_plus_the_far_sums_is_the_table_gradient(causal, 
         (score_grad,) = torch.autograd.grad(out, bias, grad_out)
         segments.append((q, k, v, out.detach(), torch.logsumexp(scores, dim=-1).detach() / math.log(2), grad_out,
                          score_grad, relative))
-    far_sums = torch.stack([
-        sum(g[:, r < -max_distance].sum(dim=-1) for *_, g, r in segments),
-        sum(g[:, r > max_distance].sum(dim=-1) for *_, g, r in segments),
-    ], dim=-1)
+    # what the backward that ran elsewhere summed: the far ends of the row of relative positions
+    far_sums = torch.zeros(heads, 2 * max_distance + 3, device=DEVICE)
+    far_sums[:, 0] = sum(g[:, r < -max_distance].sum(dim=-1) for *_, g, r in segments)
+    far_sums[:, -1] = sum(g[:, r > max_distance].sum(dim=-1) for *_, g, r in segments)
     table_truth = sum(torch.zeros(8, heads, device=DEVICE).index_put_(
         (hf_bucket(r, not causal, 8, max_distance).flatten()[:, None], torch.arange(heads, device=DEVICE)[None, :]),
         g.flatten(1).T, accumulate=True) for *_, g, r in segments)

@@ -29,8 +29,20 @@ from .dispatch import op_namespace
 from .position_bias import PositionBias
 
 _NAMESPACE = op_namespace(__name__)
-# the T5 backward's far sums go to far_grad[head, key block % FAR_SLOTS, side]: slots spread one head's atomics
-FAR_SLOTS = 32
+# the T5 backward adds the table's gradient by relative position to grad_by_distance[head, key block % GRAD_SLOTS]:
+# the slots spread one head's atomics over separate addresses
+GRAD_SLOTS = 32
+# where the gradient of the band |rel| <= max_distance is summed: in the backward kernel ("kernel"), which needs a row
+# of 2D+1 floats of shared memory per MMA warp (8 KiB for its 8 warps at D 128, beside FA4's 196 KiB at head dim 64;
+# FA4's head-dim-128 backward leaves no room), or in a Triton pass that recomputes the band ("triton")
+T5_BAND_GRADIENT = "kernel"
+_KERNEL_BAND_MAX_HEAD_DIM = 64
+_KERNEL_BAND_MAX_DISTANCE = 256
+
+
+def _band_in_kernel(head_dim: int, max_distance: int) -> bool:
+    return (T5_BAND_GRADIENT == "kernel" and head_dim <= _KERNEL_BAND_MAX_HEAD_DIM
+            and max_distance <= _KERNEL_BAND_MAX_DISTANCE)
 # FA4's interface reads its SM90 kernel classes from module globals when it compiles: one call swaps them at a time
 _KERNEL_CLASS_LOCK = threading.Lock()
 
@@ -49,7 +61,7 @@ def _fa4_interface():
 
 
 @contextlib.contextmanager
-def _t5_kernels(max_distance: int, table_grad: bool):
+def _t5_kernels(max_distance: int, table_grad: str | None):
     """FA4's interface building FAT5's T5 kernel classes for the calls inside; yields the (score_mod, score_mod_bwd)
     stand-ins to pass it (they key its compile cache)."""
     from .attention_fa4_t5_kernels import t5_kernel_classes
@@ -91,25 +103,29 @@ def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         function = interface.flash_attn_func if cu_seqlens_q is None else interface.flash_attn_varlen_func
         return function(query, key, value, softmax_scale=scale, causal=causal, return_lse=return_lse, **varlen)
     bias_rows = _t5_bias_rows(table, bidirectional, max_distance)
-    with _t5_kernels(max_distance, table_grad=False) as (score_mod, _):
+    with _t5_kernels(max_distance, table_grad=None) as (score_mod, _):
         out, lse, *_ = interface._flash_attn_fwd(query, key, value, softmax_scale=scale, causal=causal,
                                                  return_lse=True, score_mod=score_mod, aux_tensors=[bias_rows],
                                                  **varlen)
     return out, lse
 
 
-def _t5_table_gradient(grad_out, query, key, value, out, lse, table, far_grad, cu_seqlens_q, cu_seqlens_k,
+def _t5_table_gradient(grad_out, query, key, value, out, lse, table, grad_by_distance, cu_seqlens_q, cu_seqlens_k,
                        max_seqlen_q, max_seqlen_k, scale, causal, bidirectional, max_distance):
-    """The table's gradient: FA4's backward summed the far buckets into ``far_grad``, the Triton band pass sums the
-    rest. It takes FAT5's layouts: (batch, heads, length, head_dim) views, and the log-sum-exp in log2 units."""
-    from .attention_triton import t5_band_table_gradient
+    """The table's gradient from the backward's sums by relative position ``grad_by_distance`` (heads, slots,
+    2D+3): every position's, or only the far ends' when the Triton pass sums the band (``T5_BAND_GRADIENT``), which
+    takes FAT5's layouts: (batch, heads, length, head_dim) views, and the log-sum-exp in log2 units."""
+    from .attention_triton import t5_band_table_gradient, t5_table_gradient_by_distance
 
+    position = PositionBias.t5(table, bidirectional=bidirectional, max_distance=max_distance)
+    by_distance = grad_by_distance.sum(dim=1)
+    if _band_in_kernel(query.shape[-1], max_distance):
+        return t5_table_gradient_by_distance(by_distance, position)
     if cu_seqlens_q is None:
         grad_out, query, key, value, out = (t.transpose(1, 2) for t in (grad_out, query, key, value, out))
     lse_log2 = torch.where(lse == float("-inf"), float("inf"), lse * (1 / math.log(2)))
-    position = PositionBias.t5(table, bidirectional=bidirectional, max_distance=max_distance)
     return t5_band_table_gradient(grad_out, query, key, value, out, lse_log2, position, cu_seqlens_q, cu_seqlens_k,
-                                  max_seqlen_q, max_seqlen_k, scale, causal, far_grad.sum(dim=1))
+                                  max_seqlen_q, max_seqlen_k, scale, causal, by_distance)
 
 
 def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
@@ -124,9 +140,12 @@ def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k,
         return dq, dk, dv, None
     bias_rows = _t5_bias_rows(table, bidirectional, max_distance)
     aux_tensors = [bias_rows]
+    sums = None
     if table_grad:
-        aux_tensors.append(torch.zeros(table.shape[1], FAR_SLOTS, 2, dtype=torch.float32, device=query.device))
-    with _t5_kernels(max_distance, table_grad) as (score_mod, score_mod_bwd):
+        sums = "all" if _band_in_kernel(query.shape[-1], max_distance) else "far"
+        aux_tensors.append(torch.zeros(table.shape[1], GRAD_SLOTS, 2 * max_distance + 3, dtype=torch.float32,
+                                       device=query.device))
+    with _t5_kernels(max_distance, sums) as (score_mod, score_mod_bwd):
         dq, dk, dv = interface._flash_attn_bwd(query, key, value, out, grad_out, lse, scale, causal, 0.0,
                                                score_mod=score_mod,
                                                score_mod_bwd=score_mod_bwd, aux_tensors=aux_tensors, **varlen)

@@ -423,16 +423,25 @@ def _t5_table_gradient(distance_grad: torch.Tensor, buckets: torch.Tensor, table
     return table_grad
 
 
+def t5_table_gradient_by_distance(by_distance: torch.Tensor, position: PositionBias) -> torch.Tensor:
+    """The T5 table's gradient from the score gradient's sums by relative position, (heads, 2 * max_distance + 3)
+    for rel -(D+1) .. D+1 (the ends: everything beyond)."""
+    buckets, _ = t5_relative_buckets(-(position.max_distance + 1), 2 * position.max_distance + 3,
+                                     position.bidirectional, position.num_buckets, position.max_distance,
+                                     by_distance.device)
+    return _t5_table_gradient(by_distance, buckets, position.tensor)
+
+
 def t5_band_table_gradient(
     grad_out, query, key, value, out, lse_log2, position: PositionBias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, scale: float, causal: bool, far_sums: torch.Tensor,
 ) -> torch.Tensor:
     """The T5 table's gradient of an attention call with query offset 0 whose backward ran elsewhere: the score
     gradient over the band ``|rel| <= max_distance``, recomputed and summed by relative position here
-    (``_t5_band_distance_grad_kernel``), and ``far_sums`` (heads, 2): its sums over ``rel < -max_distance`` and
-    ``rel > max_distance``, which that backward took. Tensors as ``flash_attention`` takes them ((batch, heads,
-    length, head_dim), or packed with ``cu_seqlens``); ``lse_log2`` the forward's row log-sum-exp in log2 units,
-    +inf where a row sees no key."""
+    (``_t5_band_distance_grad_kernel``), and ``far_sums`` (heads, 2 * max_distance + 3): the sums that backward took
+    by relative position, whose ends (``rel < -max_distance``, ``rel > max_distance``) are used. Tensors as
+    ``flash_attention`` takes them ((batch, heads, length, head_dim), or packed with ``cu_seqlens``); ``lse_log2``
+    the forward's row log-sum-exp in log2 units, +inf where a row sees no key."""
     problem = _Problem.of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     device = query.device
     config = _config("dkdv", device, problem.head_dim, query.dtype)
@@ -466,7 +475,7 @@ def t5_band_table_gradient(
             INPUT_PRECISION=_input_precision(query.dtype), **_launch_kwargs(config, device),
         )
     distance_grad[0, 0, :, 0] += far_sums[:, 0]
-    distance_grad[0, 0, :, -1] += far_sums[:, 1]
+    distance_grad[0, 0, :, -1] += far_sums[:, -1]
     return _t5_table_gradient(distance_grad, buckets, position.tensor)
 
 
