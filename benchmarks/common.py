@@ -196,8 +196,11 @@ def t5_carrying_weights_of(fat5, **config_fields):
 # kernels triton_* after the ops they fuse (triton_poi_fused_add_rms_norm_backward_...): they come first
 KERNEL_KINDS = (
     ("fused by Inductor", ("triton_",)),
-    ("attention backward", ("_attention_backward", "_backward_preprocess")),
-    ("attention forward", ("_attention_forward", "_split_combine")),
+    # FAT5's Triton kernels, flash-attn-4's (FlashAttention*), FAT5's Hopper T5 kernels built on them (T5Bias*) and
+    # their table gradient's band pass; before "matrix products", which CUTLASS's names would match
+    ("attention backward", ("_attention_backward", "_backward_preprocess", "FlashAttentionBackward",
+                            "T5BiasBackward", "_t5_band_")),
+    ("attention forward", ("_attention_forward", "_split_combine", "FlashAttentionForward", "T5BiasForward")),
     ("T5 bias table", ("_t5_",)),
     ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")),
     ("RMSNorm", ("_rms_norm",)),

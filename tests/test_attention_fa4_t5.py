@@ -1,6 +1,6 @@
 """The Hopper T5 route's host side on the CPU: FAT5's adapter (attention_fa4.py) with FA4's interface replaced by
 a PyTorch model of what FAT5's CuTe hooks compute (attention_fa4_t5_kernels.py: the bias read from the head's row of
-relative positions, the score gradient's sums by relative position added to ``grad_by_distance``). The adapter's
+relative positions, the score gradient's far sums added to the ends of ``grad_by_distance``). The adapter's
 layouts, its log-sum-exp units, the band pass (Triton's interpreter) and the table gradient's assembly are checked
 against FAT5's fp32 reference; the hooks themselves run on a Hopper GPU (tests/test_attention_fa4_gpu.py)."""
 
@@ -79,14 +79,11 @@ class HookedFA4:
                 scores.retain_grad()
                 result = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), leaves[2])
                 result.backward(do.float())
-            if len(aux_tensors) > 1:  # the sums by relative position (the far ends alone for the Triton band pass)
+            if len(aux_tensors) > 1:  # the far buckets' sums, at the ends of a slot's row (any slot would do)
                 score_grad = scores.grad.nan_to_num(0.0)
-                position = relative.clamp(-(max_distance + 1), max_distance + 1) + max_distance + 1
-                by_distance = torch.zeros_like(aux_tensors[1][:, 0]).index_add_(
-                    1, position.flatten(), score_grad.flatten(1))
-                if not attention_fa4._band_in_kernel(query.shape[-1], max_distance):
-                    by_distance[:, 1:-1] = 0
-                aux_tensors[1][:, index % aux_tensors[1].shape[1]] += by_distance
+                slot = aux_tensors[1][:, index % aux_tensors[1].shape[1]]
+                slot[:, 0] += score_grad[:, relative < -max_distance].sum(dim=-1)
+                slot[:, -1] += score_grad[:, relative > max_distance].sum(dim=-1)
             if padded:
                 for grad, leaf in zip(grads, leaves):
                     grad[index] = leaf.grad
@@ -116,11 +113,9 @@ def test_the_kernels_bias_row_is_transformers_t5_bias_by_relative_position():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("train_table, band_gradient", [(True, "kernel"), (True, "triton"), (False, "kernel")])
-def test_the_route_matches_the_fp32_reference(hooked_fa4, monkeypatch, causal, packed, train_table, band_gradient):
-    """Output, dq, dk, dv and the table's gradient (or none, frozen) of the adapter's T5 path, eagerly, the band's
-    gradient summed by the backward or by the Triton pass."""
-    monkeypatch.setattr(attention_fa4, "T5_BAND_GRADIENT", band_gradient)
+@pytest.mark.parametrize("train_table", [True, False])
+def test_the_route_matches_the_fp32_reference(hooked_fa4, causal, packed, train_table):
+    """Output, dq, dk, dv and the table's gradient (or none, frozen) of the adapter's T5 path, eagerly."""
     torch.manual_seed(0)
     heads, head_dim, max_distance = 2, 16, 8
     table = torch.randn(8, heads, requires_grad=train_table)
@@ -156,14 +151,13 @@ def test_the_route_matches_the_fp32_reference(hooked_fa4, monkeypatch, causal, p
 
 
 def test_the_lse_reaches_the_band_pass_in_log2_units_and_empty_rows_as_plus_infinity(monkeypatch):
-    monkeypatch.setattr(attention_fa4, "T5_BAND_GRADIENT", "triton")
     seen = {}
 
     def band(grad_out, query, key, value, out, lse_log2, *rest):
         seen["lse_log2"] = lse_log2
         return torch.zeros(8, 2)
 
-    monkeypatch.setattr("fat5.kernels.attention_triton.t5_band_table_gradient", band)
+    monkeypatch.setattr("fat5.kernels.attention_triton_launch.t5_band_table_gradient", band)
     lse = torch.tensor([[0.5, float("-inf")]])
     tensors = [torch.zeros(2, 2, 4)] * 5
     attention_fa4._t5_table_gradient(*tensors, lse, torch.zeros(8, 2), torch.zeros(2, 32, 19),

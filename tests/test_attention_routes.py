@@ -27,7 +27,7 @@ from fat5.kernels.routes import (
 from fat5.token_layout import TokenLayout
 
 HOPPER = (9, 0)
-FA4_PROBLEM = AttentionProblem(HOPPER, torch.bfloat16, 64, "none", "none", False, False, 1024)
+FA4_PROBLEM = AttentionProblem(HOPPER, torch.bfloat16, 64, "none", "none", False, False, 1024, 1024)
 
 
 def every_kernel(kernel):
@@ -92,20 +92,22 @@ def test_fa4_serves_the_bias_free_hopper_problems():
                 assert table_kernel(problem, forced=None, available=every_kernel) == "fa4"
 
 
-def test_the_hopper_t5_kernels_serve_training_problems_from_position_zero_once_on():
-    t5 = dataclasses.replace(FA4_PROBLEM, position="t5")
-    t5_row = next(route for route in ATTENTION_ROUTES if route.kernel == "fa4" and route.positions == {"t5"})
-    expected = "fa4" if t5_row.enabled else "triton"
-    for head_dim in (64, 128):
-        for masking in ("none", "causal_aligned"):
-            for packed in (False, True):
-                problem = dataclasses.replace(t5, head_dim=head_dim, masking=masking, packed=packed)
-                assert table_kernel(problem, forced=None, available=every_kernel) == expected
-                assert table_kernel(problem, forced="fa4", available=every_kernel) == "fa4"
-    # a prefill after cached keys (the bias would need the query offset) or a decoding step stays on Triton
-    for change in ({"offset_zero": False}, {"queries": 1}, {"masking": "causal_offset"}, {"head_dim": 32},
-                   {"dtype": torch.float32}):
-        assert table_kernel(dataclasses.replace(t5, **change), forced="fa4", available=every_kernel) == "triton"
+@pytest.mark.parametrize("head_dim, masking, shortest", [(64, "none", 1024), (64, "causal_aligned", 4096),
+                                                         (128, "none", 128), (128, "causal_aligned", 1024)])
+def test_the_hopper_t5_kernels_serve_training_problems_from_the_lengths_they_won_at(head_dim, masking, shortest):
+    for packed in (False, True):
+        problem = dataclasses.replace(FA4_PROBLEM, position="t5", head_dim=head_dim, masking=masking, packed=packed,
+                                      queries=shortest, keys=shortest)
+        assert table_kernel(problem, forced=None, available=every_kernel) == "fa4"
+        if shortest > 128:
+            shorter = dataclasses.replace(problem, keys=shortest // 2, queries=shortest // 2)
+            assert table_kernel(shorter, forced=None, available=every_kernel) == "triton"
+        # a prefill after cached keys (the bias would need the query offset), a decoding step, another mask, head
+        # dim or dtype stays on Triton
+        for change in ({"offset_zero": False}, {"queries": 1}, {"masking": "causal_offset"}, {"head_dim": 32},
+                       {"dtype": torch.float32}):
+            assert table_kernel(dataclasses.replace(problem, **change), forced="fa4", available=every_kernel) == (
+                "triton")
 
 
 def test_the_problems_say_whether_the_first_query_sits_at_position_zero():

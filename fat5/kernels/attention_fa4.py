@@ -16,7 +16,7 @@ the Triton attention, so that a ``fullgraph`` trace never enters the CuTe DSL: t
 function for the output and its log-sum-exp, the backward ``interface._flash_attn_bwd``, the function FA4's
 autograd.Function calls (FA4 exposes no public backward alone). With a T5 table, both go through ``_t5_kernels``,
 which builds FA4's SM90 kernel objects from FAT5's subclasses, and the table's gradient is the backward's far sums
-plus the band that ``attention_triton.t5_band_table_gradient`` sums.
+plus the band that ``attention_triton_launch.t5_band_table_gradient`` sums.
 """
 
 import contextlib
@@ -29,22 +29,11 @@ from .dispatch import op_namespace
 from .position_bias import PositionBias
 
 _NAMESPACE = op_namespace(__name__)
-# the T5 backward adds the table's gradient by relative position to grad_by_distance[head, key block % GRAD_SLOTS]:
-# the slots spread one head's atomics over separate addresses
-GRAD_SLOTS = 32
-# where the gradient of the band |rel| <= max_distance is summed: in the backward kernel ("kernel"), which needs a row
-# of 2D+1 floats of shared memory per MMA warp (8 KiB for its 8 warps at D 128, beside FA4's 196 KiB at head dim 64;
-# FA4's head-dim-128 backward leaves no room), or in a Triton pass that recomputes the band ("triton")
-T5_BAND_GRADIENT = "kernel"
-_KERNEL_BAND_MAX_HEAD_DIM = 64
-_KERNEL_BAND_MAX_DISTANCE = 256
-
-
-def _band_in_kernel(head_dim: int, max_distance: int) -> bool:
-    return (T5_BAND_GRADIENT == "kernel" and head_dim <= _KERNEL_BAND_MAX_HEAD_DIM
-            and max_distance <= _KERNEL_BAND_MAX_DISTANCE)
 # FA4's interface reads its SM90 kernel classes from module globals when it compiles: one call swaps them at a time
 _KERNEL_CLASS_LOCK = threading.Lock()
+# the T5 backward adds its far sums to grad_by_distance[head, key block % GRAD_SLOTS]: the slots spread one head's
+# atomics over separate addresses
+GRAD_SLOTS = 32
 
 
 def _fa4_interface():
@@ -61,7 +50,7 @@ def _fa4_interface():
 
 
 @contextlib.contextmanager
-def _t5_kernels(max_distance: int, table_grad: str | None):
+def _t5_kernels(max_distance: int, table_grad: bool):
     """FA4's interface building FAT5's T5 kernel classes for the calls inside; yields the (score_mod, score_mod_bwd)
     stand-ins to pass it (they key its compile cache)."""
     from .attention_fa4_t5_kernels import t5_kernel_classes
@@ -79,7 +68,7 @@ def _t5_kernels(max_distance: int, table_grad: str | None):
 
 def _t5_bias_rows(table: torch.Tensor, bidirectional: bool, max_distance: int) -> torch.Tensor:
     """(heads, 2 * max_distance + 3) fp32: the bias at relative positions -(D+1) .. D+1, the kernels' row."""
-    from .attention_triton import t5_relative_buckets
+    from .attention_triton_t5 import t5_relative_buckets
 
     buckets, _ = t5_relative_buckets(-(max_distance + 1), 2 * max_distance + 3, bidirectional, table.shape[0],
                                      max_distance, table.device)
@@ -103,7 +92,7 @@ def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         function = interface.flash_attn_func if cu_seqlens_q is None else interface.flash_attn_varlen_func
         return function(query, key, value, softmax_scale=scale, causal=causal, return_lse=return_lse, **varlen)
     bias_rows = _t5_bias_rows(table, bidirectional, max_distance)
-    with _t5_kernels(max_distance, table_grad=None) as (score_mod, _):
+    with _t5_kernels(max_distance, table_grad=False) as (score_mod, _):
         out, lse, *_ = interface._flash_attn_fwd(query, key, value, softmax_scale=scale, causal=causal,
                                                  return_lse=True, score_mod=score_mod, aux_tensors=[bias_rows],
                                                  **varlen)
@@ -112,20 +101,17 @@ def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 def _t5_table_gradient(grad_out, query, key, value, out, lse, table, grad_by_distance, cu_seqlens_q, cu_seqlens_k,
                        max_seqlen_q, max_seqlen_k, scale, causal, bidirectional, max_distance):
-    """The table's gradient from the backward's sums by relative position ``grad_by_distance`` (heads, slots,
-    2D+3): every position's, or only the far ends' when the Triton pass sums the band (``T5_BAND_GRADIENT``), which
-    takes FAT5's layouts: (batch, heads, length, head_dim) views, and the log-sum-exp in log2 units."""
-    from .attention_triton import t5_band_table_gradient, t5_table_gradient_by_distance
+    """The table's gradient: the backward summed the far buckets into the ends of ``grad_by_distance`` (heads, slots,
+    2D+3), the Triton band pass sums the rest. It takes FAT5's layouts: (batch, heads, length, head_dim) views, and
+    the log-sum-exp in log2 units."""
+    from .attention_triton_launch import t5_band_table_gradient
 
-    position = PositionBias.t5(table, bidirectional=bidirectional, max_distance=max_distance)
-    by_distance = grad_by_distance.sum(dim=1)
-    if _band_in_kernel(query.shape[-1], max_distance):
-        return t5_table_gradient_by_distance(by_distance, position)
     if cu_seqlens_q is None:
         grad_out, query, key, value, out = (t.transpose(1, 2) for t in (grad_out, query, key, value, out))
     lse_log2 = torch.where(lse == float("-inf"), float("inf"), lse * (1 / math.log(2)))
+    position = PositionBias.t5(table, bidirectional=bidirectional, max_distance=max_distance)
     return t5_band_table_gradient(grad_out, query, key, value, out, lse_log2, position, cu_seqlens_q, cu_seqlens_k,
-                                  max_seqlen_q, max_seqlen_k, scale, causal, by_distance)
+                                  max_seqlen_q, max_seqlen_k, scale, causal, grad_by_distance.sum(dim=1))
 
 
 def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
@@ -140,12 +126,10 @@ def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k,
         return dq, dk, dv, None
     bias_rows = _t5_bias_rows(table, bidirectional, max_distance)
     aux_tensors = [bias_rows]
-    sums = None
     if table_grad:
-        sums = "all" if _band_in_kernel(query.shape[-1], max_distance) else "far"
         aux_tensors.append(torch.zeros(table.shape[1], GRAD_SLOTS, 2 * max_distance + 3, dtype=torch.float32,
                                        device=query.device))
-    with _t5_kernels(max_distance, sums) as (score_mod, score_mod_bwd):
+    with _t5_kernels(max_distance, table_grad) as (score_mod, score_mod_bwd):
         dq, dk, dv = interface._flash_attn_bwd(query, key, value, out, grad_out, lse, scale, causal, 0.0,
                                                score_mod=score_mod,
                                                score_mod_bwd=score_mod_bwd, aux_tensors=aux_tensors, **varlen)

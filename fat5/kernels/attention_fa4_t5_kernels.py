@@ -14,13 +14,13 @@ T5's bias depends on ``rel = key - query`` alone (FA4 serves FAT5's T5 problems 
 * Scores: a tile lying wholly beyond ``D`` on one side adds one value, read once. A "near" tile reads the bias per
   score from the head's row ``bias[h, clamp(rel, -D-1, D+1) + D + 1]`` (natural units, 2D+3 values, L1-resident).
 * Table gradient: each bucket's share is the sum of the score gradient ``dS`` over its scores. The backward hook sums
-  ``dS`` by relative position into ``grad_by_distance[h, n_block % slots, clamp(rel) + D + 1]`` (the slots spread
-  one head's atomics): the two far ends (``rel < -D``, ``rel > D``) as warp sums (a far tile whole, a near tile's
-  far scores by their ``rel``), and each score of the band ``|rel| <= D`` into a row of shared memory per warp,
-  added to global memory once per position a tile holds. The additions are fp32 atomics in an order that varies
-  from run to run: the table's gradient varies in its last bits. Where the band's rows do not fit beside FA4's
-  shared memory (head dim 128), the hook sums the far ends alone and a Triton pass recomputes the band
-  (``attention_triton.t5_band_table_gradient``).
+  ``dS`` beyond ``D`` (``rel < -D``, ``rel > D``): a far tile whole, a near tile's far scores by their ``rel``; each
+  warp reduces its two sums and adds them to the ends of ``grad_by_distance[h, n_block % slots]``, the row of sums by
+  clamped relative position, with fp32 atomics (their order varies run to run: those two buckets' gradients vary in
+  their last bits; the slots spread one head's atomics). The band ``|rel| <= D`` (2D+1 diagonals) is summed by
+  ``rel`` in a Triton pass that recomputes only the band's tiles (``attention_triton_launch.t5_band_table_gradient``).
+  Summing the band here instead, each score added to a per-warp row of shared memory, measured slower (H200:
+  0.48x / 0.80x cuDNN without bias at L 1024 / 4096 against the pass's 0.63x / 0.88x, benchmarks/README.md).
 
 FA4's interface builds its SM90 kernel objects from module-level class names; ``attention_fa4`` swaps these classes in
 for the call (``t5_kernel_classes``), and passes ``score_mod`` / ``score_mod_bwd`` stand-ins that key FA4's compile
@@ -34,7 +34,6 @@ from pathlib import Path
 try:
     import cutlass
     from cutlass import Float32, Int32, const_expr, cute
-    from cutlass.memory import SmemAllocator
     from flash_attn.cute import utils as fa4_utils
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
@@ -89,45 +88,10 @@ def _add_t5_bias(
 
 
 @cute.jit
-def _add_band_grad(
+def _add_far_grad(
     grad_S: cute.Tensor,
     tScS: cute.Tensor,
     grad_by_distance: cute.Tensor,
-    band: cute.Tensor,
-    head_idx: Int32,
-    slot: Int32,
-    key_minus_query: Int32,
-    lowest: Int32,
-    highest: Int32,
-    max_distance: cutlass.Constexpr[int],
-    keys_first: cutlass.Constexpr[bool],
-):
-    """A near tile's scores with ``|rel| <= D``: each added to this warp's row ``band`` of shared memory (the
-    atomics stay in the warp), the row then added to ``grad_by_distance`` once per relative position the tile
-    holds."""
-    lane = cute.arch.lane_idx()
-    first = cutlass.max(lowest, -max_distance) + max_distance
-    last = cutlass.min(highest, max_distance) + max_distance
-    for index in cutlass.range(first + lane, last + 1, 32, unroll=1):
-        band[index] = Float32(0.0)
-    cute.arch.sync_warp()
-    for i in cutlass.range(cute.size(grad_S), unroll_full=True):
-        rel = _relative_position(tScS[i], key_minus_query, keys_first)
-        if rel >= -max_distance and rel <= max_distance:
-            fa4_utils.atomic_add_fp32(grad_S[i], fa4_utils.elem_pointer(band, rel + max_distance))
-    cute.arch.sync_warp()
-    for index in cutlass.range(first + lane, last + 1, 32, unroll=1):
-        total = band[index]
-        if total != Float32(0.0):
-            fa4_utils.atomic_add_fp32(total, fa4_utils.elem_pointer(grad_by_distance, (head_idx, slot, index + 1)))
-
-
-@cute.jit
-def _add_table_grad(
-    grad_S: cute.Tensor,
-    tScS: cute.Tensor,
-    grad_by_distance: cute.Tensor,
-    band: cute.Tensor,
     head_idx: Int32,
     n_block: Int32,
     key_minus_query: Int32,
@@ -135,10 +99,9 @@ def _add_table_grad(
     tile_keys: cutlass.Constexpr[int],
     max_distance: cutlass.Constexpr[int],
     keys_first: cutlass.Constexpr[bool],
-    sum_band: cutlass.Constexpr[bool],
 ):
-    """Add this tile's score gradient to ``grad_by_distance[head, n_block % slots, clamp(rel) + D + 1]``: beyond
-    ``D`` on either side as two warp sums, and with ``sum_band`` the band ``|rel| <= D`` (``_add_band_grad``)."""
+    """Add this tile's score gradient beyond ``D`` on either side, as two warp sums, to the ends of
+    ``grad_by_distance[head, n_block % slots]``, the row of sums by clamped relative position."""
     lowest = key_minus_query - (tile_queries - 1)
     highest = key_minus_query + (tile_keys - 1)
     slot = n_block % cute.size(grad_by_distance, mode=[1])
@@ -157,9 +120,6 @@ def _add_table_grad(
                     rel = _relative_position(tScS[i], key_minus_query, keys_first)
                     left += grad_S[i] if rel < -max_distance else Float32(0.0)
                     right += grad_S[i] if rel > max_distance else Float32(0.0)
-            if const_expr(sum_band):
-                _add_band_grad(grad_S, tScS, grad_by_distance, band, head_idx, slot, key_minus_query, lowest,
-                               highest, max_distance, keys_first)
     left = fa4_utils.warp_reduction_sum(left)
     right = fa4_utils.warp_reduction_sum(right)
     if cute.arch.lane_idx() == 0:
@@ -168,7 +128,7 @@ def _add_table_grad(
                                                                 (head_idx, slot, 2 * max_distance + 2)))
 
 
-def _stand_in(name: str, max_distance: int, table_grad: str | None):
+def _stand_in(name: str, max_distance: int, table_grad: bool):
     """A score_mod for FA4's interface: its hash keys the compile cache; the kernels here never call it."""
 
     def stand_in(*_args, **_kwargs):
@@ -179,10 +139,9 @@ def _stand_in(name: str, max_distance: int, table_grad: str | None):
 
 
 @functools.cache
-def t5_kernel_classes(max_distance: int, table_grad: str | None):
+def t5_kernel_classes(max_distance: int, table_grad: bool):
     """(forward class, backward class, score_mod stand-in, score_mod_bwd stand-in) for T5's bias with this
-    ``max_distance``. ``table_grad``: None for a frozen table (no sums), ``"far"`` for the far buckets' sums alone,
-    ``"all"`` for every relative position's."""
+    ``max_distance``; ``table_grad`` False leaves the backward's far sums out (a frozen table)."""
 
     class T5BiasForwardSm90(FlashAttentionForwardSm90):
         @cute.jit
@@ -207,18 +166,11 @@ def t5_kernel_classes(max_distance: int, table_grad: str | None):
         @cute.jit
         def apply_score_mod_bwd(self, grad_tensor, score_tensor, thr_mma_SdP, batch_idx, head_idx, m_block, n_block,
                                 softmax_scale, seqlen_info, aux_data: AuxData, fastdiv_mods):
-            # an additive bias leaves the score gradient as it is: only the table's gradient is summed here
-            if const_expr(table_grad is not None):
-                band = None
-                if const_expr(table_grad == "all"):
-                    warps = self.num_mma_threads // cute.arch.WARP_SIZE
-                    width = (2 * max_distance + 4) // 4 * 4
-                    rows = SmemAllocator().allocate_tensor(
-                        Float32, cute.make_layout((warps, width), stride=(width, 1)), 16)
-                    band = rows[cute.arch.warp_idx() % warps, None]
-                _add_table_grad(grad_tensor, self._score_coordinates(thr_mma_SdP), aux_data.tensors[1], band,
-                                head_idx, n_block, n_block * self.tile_n - m_block * self.tile_m, self.tile_m,
-                                self.tile_n, max_distance, self.SdP_swapAB, table_grad == "all")
+            # an additive bias leaves the score gradient as it is: only the table's far buckets are summed here
+            if const_expr(table_grad):
+                _add_far_grad(grad_tensor, self._score_coordinates(thr_mma_SdP), aux_data.tensors[1], head_idx,
+                              n_block, n_block * self.tile_n - m_block * self.tile_m, self.tile_m, self.tile_n,
+                              max_distance, self.SdP_swapAB)
 
     return (T5BiasForwardSm90, T5BiasBackwardSm90, _stand_in("score_mod", max_distance, table_grad),
             _stand_in("score_mod_bwd", max_distance, table_grad))

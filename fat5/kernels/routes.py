@@ -103,19 +103,26 @@ class AttentionRoute:
 _FA4_PROBLEMS = {
     "capabilities": frozenset({(9, 0)}),
     "dtypes": frozenset({torch.bfloat16, torch.float16}),
-    "maskings": frozenset({"none", "causal_aligned"}),
     # a decoding step (one query, or a few) keeps Triton's decode kernel, measured at 73-98% of the copy bandwidth
     # (benchmarks/README.md); FA4 was measured on whole sequences, and 128 queries are one of its forward tiles
     "min_queries": 128,
 }
+_BIAS_FREE = {**_FA4_PROBLEMS, "positions": frozenset({"none"}), "maskings": frozenset({"none", "causal_aligned"})}
 _FA4_BIAS_FREE = (
     "H200, 2026-11-29 (issue 48; flash-attn-4 4.0.0b36): FAT5_ATTENTION_ROUTE=fa4 tests/test_attention_fa4_gpu.py "
     "passed; benchmarks/attention.py --tables cross_d64 none_d64 cross_d128, forward+backward against SDPA's cuDNN "
     "kernel without bias: "
 )
+# T5's bias in FAT5's Hopper T5 kernels (attention_fa4_t5_kernels.py), from the first query at position 0
+_T5 = {**_FA4_PROBLEMS, "positions": frozenset({"t5"}), "offset_zero": True}
+_ENCODER, _DECODER = frozenset({"none"}), frozenset({"causal_aligned"})
+_FA4_T5 = (
+    "H200, 2026-11-29: FAT5's Hopper T5 kernels, benchmarks/results/attention_hopper_t5.json (benchmarks/attention.py "
+    "--tables t5_hopper_d64 t5_hopper_d128), forward+backward with the table trained against FAT5's Triton kernel: "
+)
 ATTENTION_ROUTES = (
     AttentionRoute(
-        "fa4", head_dims=frozenset({64}), positions=frozenset({"none"}), **_FA4_PROBLEMS,
+        "fa4", head_dims=frozenset({64}), **_BIAS_FREE,
         measurement=_FA4_BIAS_FREE + "self-attention 1.08-1.17x at L 1024-16384 (1.37-1.56x FAT5's Triton kernel), "
         "causal 1.14-1.19x from 2048; cross-attention (L/4 queries) replayed from CUDA graphs 1.06-1.18x (1.14-1.57x "
         "Triton) at every length. At L 512 eager FA4 trails (0.72x cuDNN, 0.84x Triton) but leads replayed from "
@@ -123,15 +130,29 @@ ATTENTION_ROUTES = (
         "on FA4: 396,642 real tokens/s against 390,390",
     ),
     AttentionRoute(
-        "fa4", head_dims=frozenset({128}), positions=frozenset({"none"}), min_keys=2048, **_FA4_PROBLEMS,
+        "fa4", head_dims=frozenset({128}), min_keys=2048, **_BIAS_FREE,
         measurement=_FA4_BIAS_FREE + "cross-attention at head dim 128 1.02-1.10x from L 2048; shorter keys stay on "
         "Triton (not shown ahead there)",
     ),
     AttentionRoute(
-        "fa4", head_dims=frozenset({64, 128}), positions=frozenset({"t5"}), offset_zero=True, **_FA4_PROBLEMS,
-        enabled=False,
-        measurement="FAT5's Hopper T5 kernels: off until tests/test_attention_fa4_gpu.py passes on a GPU and "
-        "benchmarks/attention.py --tables t5_hopper_d64 t5_hopper_d128 shows them ahead of Triton",
+        "fa4", head_dims=frozenset({64}), maskings=_ENCODER, min_keys=1024, **_T5,
+        measurement=_FA4_T5 + "the encoder at head dim 64 1.12 / 1.30 / 1.32 / 1.36 / 1.39x at L 1024-16384 "
+        "(0.84-0.98x cuDNN without bias from 4096); at 512 0.79x eager (1.16x replayed from CUDA graphs): Triton "
+        "keeps it",
+    ),
+    AttentionRoute(
+        "fa4", head_dims=frozenset({64}), maskings=_DECODER, min_keys=4096, **_T5,
+        measurement=_FA4_T5 + "the causal decoder at head dim 64 1.26 / 1.33 / 1.37x at L 4096-16384; at 512 / 1024 "
+        "/ 2048 0.45 / 0.57 / 0.99x eager (0.98 / 1.04 / 1.17x replayed from CUDA graphs): Triton keeps them",
+    ),
+    AttentionRoute(
+        "fa4", head_dims=frozenset({128}), maskings=_ENCODER, **_T5,
+        measurement=_FA4_T5 + "the encoder at head dim 128 1.23-1.37x at every L 512-16384",
+    ),
+    AttentionRoute(
+        "fa4", head_dims=frozenset({128}), maskings=_DECODER, min_keys=1024, **_T5,
+        measurement=_FA4_T5 + "the causal decoder at head dim 128 1.24-1.42x at L 1024-16384; at 512 0.97x eager "
+        "(1.19x from graphs): Triton keeps it",
     ),
     AttentionRoute(
         "triton", dropout=True,
