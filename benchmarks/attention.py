@@ -112,21 +112,6 @@ SWEEP_KINDS = ("forward", "dkdv", "decode", "dq")  # the kernels a sweep entry c
 # The implementations
 
 
-def t5_bucket_torch(relative, bidirectional):
-    """T5's bucket function written with the ops FlexAttention's score_mod accepts (fp32 log, as in T5)."""
-    num_buckets = NUM_BUCKETS // 2 if bidirectional else NUM_BUCKETS
-    if bidirectional:
-        offset = (relative > 0).to(torch.int64) * num_buckets
-        distance = relative.abs()
-    else:
-        offset = 0
-        distance = (-relative).clamp(min=0)
-    max_exact = num_buckets // 2
-    log_ratio = torch.log(distance.float() / max_exact) / math.log(MAX_DISTANCE / max_exact)
-    large = (max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.int64)).clamp(max=num_buckets - 1)
-    return offset + torch.where(distance < max_exact, distance, large)
-
-
 def position_bias(position_encoding, position, causal, max_distance=MAX_DISTANCE):
     """FAT5's description of the bias: the T5 table (the decoder's buckets when causal) or the ALiBi slopes."""
     from fat5.kernels.position_bias import PositionBias
@@ -257,8 +242,11 @@ def _compiled_flex(position_encoding, bidirectional):
         def flex_with_bias(q, k, v, position, block_mask):
             length = q.shape[-2]
             if position_encoding == "t5":
+                from fat5.kernels.position_bias import t5_relative_bucket
+
                 relative = torch.arange(-length + 1, length, device=q.device)
-                by_distance = position[t5_bucket_torch(relative, bidirectional)].t().to(q.dtype)  # (heads, 2L-1)
+                buckets = t5_relative_bucket(relative, bidirectional, NUM_BUCKETS, MAX_DISTANCE)
+                by_distance = position[buckets].t().to(q.dtype)  # (heads, 2L-1)
 
                 def score_mod(score, b, h, q_idx, kv_idx):
                     return score + by_distance[h, kv_idx - q_idx + length - 1]
@@ -416,15 +404,15 @@ def decoding(cache, name):
 
 def _apply_overrides(overrides):
     """Set the tuning overrides of a sweep entry: ((kind, config), ...) with kinds from SWEEP_KINDS."""
-    from fat5.kernels import attention_triton
+    from fat5.kernels import attention_triton_config
 
-    attention_triton.CONFIG_OVERRIDES.clear()
+    attention_triton_config.CONFIG_OVERRIDES.clear()
     torch.use_deterministic_algorithms(False)
     for kind, config in overrides:
         if kind == "deterministic":  # the backward's separate dq kernel instead of atomics
             torch.use_deterministic_algorithms(True, warn_only=True)
             continue
-        attention_triton.CONFIG_OVERRIDES[kind] = attention_triton.LaunchConfig(*config)
+        attention_triton_config.CONFIG_OVERRIDES[kind] = attention_triton_config.LaunchConfig(*config)
 
 
 def _warm(task):

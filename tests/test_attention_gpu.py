@@ -4,9 +4,9 @@ import pytest
 import torch
 from helpers import GPU_TOLERANCE, check_against_fp32_reference, cuda_leaf, relative_error
 
-from fat5.kernels import attention_triton
+from fat5.kernels import attention_triton_config
 from fat5.kernels.attention import attention, attention_varlen
-from fat5.kernels.attention_triton import t5_relative_buckets
+from fat5.kernels.attention_triton_t5 import t5_relative_buckets
 from fat5.kernels.position_bias import PositionBias, alibi_slopes, t5_relative_bucket
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +69,7 @@ def test_bf16_against_the_fp32_reference(position_encoding, causal, head_dim, qu
 def test_every_architectures_tiles_against_the_fp32_reference(monkeypatch, architecture, head_dim, causal):
     """Each architecture's launch-config table (tile shapes, warps, stages) run on this GPU: the Ampere tables are
     otherwise never executed here. It proves the tiles' logic, not that they fit an A100's shared memory."""
-    monkeypatch.setattr(attention_triton, "_architecture", lambda device_index: architecture)
+    monkeypatch.setattr(attention_triton_config, "_architecture", lambda device_index: architecture)
     torch.manual_seed(2)
     batch, heads = 2, 3
     query_length, key_length, query_offset = (300, 1100, 800) if causal else (1000, 1100, 0)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from fat5.kernels import attention_triton
+from fat5.kernels import attention_triton_config, attention_triton_launch, attention_triton_ops, attention_triton_t5
 from fat5.kernels.attention import attention, attention_varlen
 from fat5.kernels.position_bias import PositionBias
 
@@ -119,7 +119,7 @@ def compare(inputs, kernel_fn, truth_fn, out_tolerance, grad_tolerance):
 )
 def test_t5_buckets_match_transformers_bit_for_bit(bidirectional, num_buckets, max_distance):
     length = 2 * max_distance + 40
-    buckets, _ = attention_triton.t5_relative_buckets(
+    buckets, _ = attention_triton_t5.t5_relative_buckets(
         -length, 2 * length + 1, bidirectional, num_buckets, max_distance, DEVICE
     )
     relative = torch.arange(-length, length + 1, device=DEVICE)
@@ -162,9 +162,9 @@ def test_t5_table_gradient_with_key_tiles_wider_than_query_tiles(monkeypatch, ca
     """The GPU's head-dim-128 backward runs 64 x 128 tiles: each near tile's skewed reduction then wraps rows of
     unequal length. The same shape of tiles, scaled down."""
     # the interpreter's one-warp tiles, or a GPU shape the compiler takes (Triton 3.6 fails on one warp there)
-    tiles = (attention_triton.LaunchConfig(16, 32, 1, 1) if DEVICE == "cpu"
-             else attention_triton.LaunchConfig(32, 64, 4, 2))
-    monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", tiles)
+    tiles = (attention_triton_config.LaunchConfig(16, 32, 1, 1) if DEVICE == "cpu"
+             else attention_triton_config.LaunchConfig(32, 64, 4, 2))
+    monkeypatch.setitem(attention_triton_config.CONFIG_OVERRIDES, "dkdv", tiles)
     torch.manual_seed(2)
     batch, heads, key_length, head_dim = 2, 2, 70, 16
     query, key, value = (make_leaf(batch, heads, n, head_dim) for n in (query_length, key_length, key_length))
@@ -220,8 +220,8 @@ def test_t5_band_table_gradient_plus_the_far_sums_is_the_table_gradient(causal, 
     else:
         q, k, v, out, lse, grad_out = (torch.cat([s[index] for s in segments]) for index in range(6))
         packing = (None, None, lengths[0], lengths[0])
-    table_grad = attention_triton.t5_band_table_gradient(grad_out, q, k, v, out, lse, position, *packing, 1.0, causal,
-                                                         far_sums)
+    table_grad = attention_triton_launch.t5_band_table_gradient(grad_out, q, k, v, out, lse, position, *packing, 1.0,
+                                                                causal, far_sums)
     assert relative_error(table_grad, table_truth) <= 1e-5
 
 
@@ -338,9 +338,9 @@ class _Spy:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decoding_splits_the_cache(monkeypatch, query_length, dtype):
     """One or a few queries against a long cache: the keys are split over programs and the partials merged."""
-    spy = _Spy(attention_triton._split_combine_kernel)
-    monkeypatch.setattr(attention_triton, "_split_combine_kernel", spy)
-    monkeypatch.setattr(attention_triton, "_multiprocessors", lambda device: 16)
+    spy = _Spy(attention_triton_launch._split_combine_kernel)
+    monkeypatch.setattr(attention_triton_launch, "_split_combine_kernel", spy)
+    monkeypatch.setattr(attention_triton_launch, "kernel_multiprocessors", lambda device: 16)
     torch.manual_seed(3)
     # long enough to split into 2-block splits: 10 of the interpreter's 16-key tiles, 10 of the GPU's 64-key decoding
     # tiles (150 keys made 3 blocks there: no split); keys 64 to 95 (the interpreter's third split) are all padding
@@ -392,7 +392,7 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
     twice the query tiles (as the GPU's head-dim-128 dk/dv kernel)."""
     if wide_tiles:  # the interpreter's one-warp tiles, or a GPU shape the compiler takes
         queries, keys, warps = (16, 32, 1) if DEVICE == "cpu" else (32, 64, 4)
-        monkeypatch.setitem(attention_triton.CONFIG_OVERRIDES, "dkdv", attention_triton.LaunchConfig(
+        monkeypatch.setitem(attention_triton_config.CONFIG_OVERRIDES, "dkdv", attention_triton_config.LaunchConfig(
             queries, keys, warps, 1))
     torch.manual_seed(9)
     heads, head_dim = 2, 16
@@ -406,13 +406,13 @@ def test_t5_bias_bank_matches_the_gather_bit_for_bit(monkeypatch, layout, determ
         key, value = make_leaf(2, heads, 75, head_dim, dtype=dtype), make_leaf(2, heads, 75, head_dim, dtype=dtype)
     frozen = torch.randn(8, heads, device=DEVICE)
     grad_out = torch.randn_like(query)
-    spy = _Spy(attention_triton._t5_bias_bank_kernel)
-    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    spy = _Spy(attention_triton_t5._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton_t5, "_t5_bias_bank_kernel", spy)
     results = {}
     torch.use_deterministic_algorithms(deterministic_algorithms)
     try:
         for bank in (True, False):
-            monkeypatch.setattr(attention_triton, "T5_BIAS_BANK", bank)
+            monkeypatch.setattr(attention_triton_config, "T5_BIAS_BANK", bank)
             results[bank] = _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
         assert len(spy.grids) == 1  # the bank path's dk/dv kernel
     finally:
@@ -439,8 +439,8 @@ def test_t5_bias_bank_is_made_for_a_frozen_table_in_a_non_causal_call_only(monke
         query, key, value = (make_leaf(1, heads, length, head_dim) for _ in range(3))
     frozen = torch.randn(8, heads, device=DEVICE)
     grad_out = torch.randn_like(query)
-    spy = _Spy(attention_triton._t5_bias_bank_kernel)
-    monkeypatch.setattr(attention_triton, "_t5_bias_bank_kernel", spy)
+    spy = _Spy(attention_triton_t5._t5_bias_bank_kernel)
+    monkeypatch.setattr(attention_triton_t5, "_t5_bias_bank_kernel", spy)
     _t5_output_and_gradients(query, key, value, frozen, grad_out, varlen, causal=False)
     assert len(spy.grids) == 1  # the frozen table in a non-causal call: the bank
     _t5_output_and_gradients(query, key, value, frozen.clone().requires_grad_(), grad_out, varlen, causal=False)
@@ -453,7 +453,7 @@ def test_t5_bias_bank_holds_the_row_values_of_each_diagonal_offset():
     diagonal offset of the near loop."""
     rows = torch.randn(3, 2 * 12 + 3, device=DEVICE)
     for tile_rows, tile_columns in ((32, 16), (16, 16)):
-        bank, left_tiles = attention_triton._t5_bias_bank(rows, tile_rows, tile_columns, 12)
+        bank, left_tiles = attention_triton_t5.t5_bias_bank(rows, tile_rows, tile_columns, 12)
         assert left_tiles == 1  # ceil(12 / 16): the near blocks start at most one block before the row block
         assert bank.shape == (3, 1 + math.ceil((tile_rows + 12) / tile_columns), tile_rows, tile_columns)
         for tile in range(bank.shape[1]):
@@ -562,14 +562,14 @@ def test_custom_ops_pass_opcheck():
     table = torch.randn(8, 2, device=DEVICE, requires_grad=True)
     arguments = (query, key, value, None, table, None, None, 20, 20, 1.0, True, 0, "t5", True, 8, 6, None)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(attention_triton.attention_forward_op, arguments, test_utils=checks)
-    out, lse = attention_triton.attention_forward_op(*arguments)
+    torch.library.opcheck(attention_triton_ops.attention_forward_op, arguments, test_utils=checks)
+    out, lse = attention_triton_ops.attention_forward_op(*arguments)
     backward_arguments = (torch.randn_like(out), query, key, value, out, lse, *arguments[3:-1], True)
-    torch.library.opcheck(attention_triton.attention_backward_op, backward_arguments, test_utils=checks)
+    torch.library.opcheck(attention_triton_ops.attention_backward_op, backward_arguments, test_utils=checks)
     with torch.no_grad():  # the decoding form: the offset as a tensor the kernel reads
         decoding = (query[:, :, :1].detach(), key.detach(), value.detach(), *arguments[3:11], 0, *arguments[12:16],
                     torch.tensor([19], device=DEVICE))
-        torch.library.opcheck(attention_triton.attention_forward_op, decoding,
+        torch.library.opcheck(attention_triton_ops.attention_forward_op, decoding,
                               test_utils=("test_schema", "test_faketensor"))
 
 

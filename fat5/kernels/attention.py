@@ -132,9 +132,9 @@ def attention(
 
         return fa4_attention(query, key, value, scale=scale, causal=causal, position_bias=_fa4_bias(position_bias))
     if kernel == "triton":
-        from .attention_triton import flash_attention
+        from .attention_triton import triton_attention
 
-        return flash_attention(query, key, value, **arguments)
+        return triton_attention(query, key, value, **arguments)
     return _reference(query, key, value, **arguments)[0]
 
 
@@ -224,9 +224,9 @@ def attention_varlen(
         return fa4_attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     scale=scale, causal=causal, position_bias=_fa4_bias(position_bias))
     if kernel == "triton":
-        from .attention_triton import flash_attention_varlen
+        from .attention_triton import triton_attention_varlen
 
-        return flash_attention_varlen(
+        return triton_attention_varlen(
             query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments
         )
     return _varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
