@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fat5.errors import FAT5Error
-from fat5.output_folder import TOKENIZER_FILES
+from fat5.folder_contents import TOKENIZER_FILES
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

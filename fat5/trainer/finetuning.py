@@ -89,7 +89,7 @@ def prepare_finetune(config: dict) -> FinetuneSetup:
 def run_finetune(setup: FinetuneSetup, resume: bool = False) -> dict:
     """Train (from the newest complete checkpoint of the output folder with ``resume``), evaluate and save what
     `prepare_finetune` built; returns the paths written and the metrics."""
-    from ..output_folder import find_resume_checkpoint
+    from ..checkpoints import find_resume_checkpoint
     from .trainer import require_full_state_dict
 
     trainer, output_dir = setup.trainer, Path(setup.config["output_dir"])

@@ -396,7 +396,7 @@ def _prepare_output_folder(settings: PretrainConfig, config, output_dir, overwri
 
 def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
     """With ``resume``, the newest complete checkpoint to continue from; the output folder exists afterwards."""
-    from ..output_folder import find_resume_checkpoint
+    from ..checkpoints import find_resume_checkpoint
 
     checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -518,7 +518,7 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
     and write ``pretrain_summary.json``; returns the summary."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..output_folder import checkpoint_steps, reached_max_steps
+    from ..checkpoints import checkpoint_steps, reached_max_steps
     from .trainer import require_full_state_dict
 
     require_full_state_dict(trainer)

@@ -19,17 +19,11 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..checkpoints import fsync_files, newest_complete_checkpoint
 from ..errors import FAT5Error
-from ..output_folder import (
-    CHECKPOINT_NAME,
-    CHECKPOINT_STAGING,
-    disk_full_error,
-    fsync_files,
-    is_disk_full,
-    newest_complete_checkpoint,
-)
+from ..folder_contents import CHECKPOINT_NAME, CHECKPOINT_PREFIX, CHECKPOINT_STAGING
+from ..output_folder import disk_full_error, is_disk_full
 from .metrics import numeric_progress_callback
 
 
@@ -309,7 +303,7 @@ class FAT5Trainer(Seq2SeqTrainer):
         deleted. A kill at any moment leaves the previous complete checkpoint or the new one, and a full disk says
         so in one line and keeps the previous one."""
         run_dir = Path(self._get_output_dir(trial))
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        name = f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
         staging = run_dir / CHECKPOINT_STAGING
         if self.args.should_save:
             # what a killed run left half-written
