@@ -7,8 +7,11 @@ It imports neither torch nor transformers, so that what reads it (the commands' 
 """
 
 import functools
+import json
 import re
 from pathlib import Path
+
+from .errors import FAT5Error
 
 # transformers' Trainer names its checkpoints PREFIX_CHECKPOINT_DIR-N (transformers.trainer_utils, which takes seconds
 # to import; tests/test_saved_folders.py checks that the two agree). FAT5Trainer writes each in CHECKPOINT_STAGING,
@@ -82,3 +85,20 @@ def user_files(folder: Path, written_by_fat5=is_run_file) -> list[str]:
     to be removed."""
     return sorted(path.name for path in folder.iterdir() if not written_by_fat5(path.name)
                   and path.name not in _FILE_MANAGER_FILES)
+
+
+def read_config_json(folder: Path, missing: str, error: type[FAT5Error] = FAT5Error) -> dict:
+    """A model folder's config.json exactly as written (transformers 5 rewrites some T5 fields on load); ``error``
+    saying ``missing`` when there is none, or naming the file when it cannot be read or holds no JSON object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise error(missing)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as problem:
+        raise error(f"cannot read {path} ({problem.strerror or problem})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as problem:
+        raise error(f"{path} is not valid JSON: {problem}") from None
+    if not isinstance(config, dict):
+        raise error(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
