@@ -66,7 +66,7 @@ def test_every_dtype_spelling_is_taken_by_every_dtype_option(spelling, name, tmp
     assert parser.parse_args(["convert", "src", "out", "--dtype", spelling]).dtype == name
     assert parser.parse_args(["export-hf", "src", "out", "--dtype", spelling]).dtype == name
     config = {"model": "some/model", "output_dir": str(tmp_path), "data": {"train_file": "train.jsonl"}}
-    assert load_finetune_config(dict(config, dtype=spelling))["dtype"] == name
+    assert load_finetune_config(dict(config, dtype=spelling)).dtype == name
 
 
 def test_an_unknown_dtype_is_one_line_naming_the_choices(capsys):

@@ -155,7 +155,8 @@ def _in_range(name: str, value) -> bool:
 def check_training_arguments(arguments: dict, where: str = "training") -> None:
     """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field, a value of the wrong
     type in one of its scalar fields (integers, numbers, booleans; the fields that take strings are transformers'),
-    or a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...)."""
+    a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...) or a value its field
+    does not list among its choices."""
     fields = typing.get_type_hints(FAT5TrainingArguments)
     unknown = sorted(set(arguments) - set(fields))
     if unknown:
@@ -176,6 +177,9 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
     for name, value in arguments.items():
         if name in _RANGES and not _in_range(name, value):
             raise FAT5Error(f"{where}.{name} must be {_RANGES[name][4]}, got {value!r}")
+        choices = FAT5TrainingArguments.__dataclass_fields__[name].metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            raise FAT5Error(f"{where}.{name} must be one of {list(choices)}, got {value!r}")
     if arguments.get("report_to") not in (None, "none", ["none"]):
         from transformers.integrations import get_reporting_integration_callbacks
 
