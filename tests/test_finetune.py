@@ -745,6 +745,11 @@ CONFIG_MISTAKES = {
 }
 
 
+# the mistakes that only the model, once loaded, shows (its fields, its layers' names): the output folder is prepared
+# by then; every other mistake is found before the folder is touched (with --overwrite, before a run is removed)
+FOUND_WITH_THE_MODEL = {"bad LoRA target", "unknown model field", "invalid model field"}
+
+
 @pytest.mark.parametrize("mistake", sorted(CONFIG_MISTAKES))
 def test_config_mistakes_raise_fat5_error(mistake, tiny_model, tmp_path):
     change, message = CONFIG_MISTAKES[mistake]
@@ -754,6 +759,7 @@ def test_config_mistakes_raise_fat5_error(mistake, tiny_model, tmp_path):
     change(config, scratch)
     with pytest.raises(FAT5Error, match=message):
         prepare_finetuning(config)
+    assert (tmp_path / "run").exists() == (mistake in FOUND_WITH_THE_MODEL)
 
 
 def test_yaml_file_mistakes_raise_fat5_error(tmp_path):

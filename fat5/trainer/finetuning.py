@@ -130,10 +130,11 @@ def prepare_finetuning(config, output_dir=None, *, overrides=None, resume: bool 
     evaluates = "validation" in raw
     defaults = _training_defaults(settings, evaluates)
     compute_metrics = _compute_metrics(settings, tokenizer, {**defaults, **settings.training}) if evaluates else None
-    output_dir, checkpoint = prepare_output_folder(Path(output_dir), config, _inputs(settings), overwrite=overwrite,
-                                                   resume=resume)
     arguments = training_arguments(output_dir, settings.training, defaults=defaults, evaluates=evaluates)
     model_kwargs, label_ids = _model_kwargs(settings, raw)
+    # what the checks above found wrong left the folder untouched; what --overwrite removes goes only now
+    output_dir, checkpoint = prepare_output_folder(Path(output_dir), config, _inputs(settings), overwrite=overwrite,
+                                                   resume=resume)
     # under several processes the main one tokenizes first and the others read the datasets cache it wrote
     with arguments.main_process_first(desc="tokenizing"):
         tokenized = tokenize_datasets(limit_samples(raw, settings.data), tokenizer, settings.task, settings.data,
