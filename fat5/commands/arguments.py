@@ -16,11 +16,12 @@ def add_output_options(parser: argparse.ArgumentParser, shard_help: str) -> None
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help=shard_help)
 
 
-def add_job_options(parser: argparse.ArgumentParser, output_dir_help: str) -> None:
-    """The options both training jobs take, named as their Python functions' parameters: `--output-dir`,
-    `--resume`, `--overwrite` and `--set KEY=VALUE` (``overrides``)."""
-    parser.add_argument("--output-dir", default=None, help=output_dir_help + " (from_pretrained(DIR) loads the final "
-                        "model and tokenizer; the checkpoints go to DIR/checkpoint-N)")
+def add_job_options(parser: argparse.ArgumentParser, output_dir_default: str) -> None:
+    """The options both training jobs take, named as their Python functions' parameters: `--output-dir` (said to
+    default to ``output_dir_default``), `--resume`, `--overwrite` and `--set KEY=VALUE` (``overrides``)."""
+    parser.add_argument("--output-dir", default=None,
+                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
+                        f"checkpoints in DIR/checkpoint-N (default: {output_dir_default})")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output folder")
     parser.add_argument("--overwrite", action="store_true",

@@ -14,7 +14,7 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n" + config_reference()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", help="YAML configuration (task, model, data, lora, training, ...)")
-    add_job_options(parser, "where to write (default: the config's output_dir)")
+    add_job_options(parser, "the config's output_dir")
     parser.set_defaults(func=_run_finetune)
 
 

@@ -18,7 +18,7 @@ def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="YAML config; its keys update the built-in default (listed "
                         "below); with --resume and no config, the run's saved pretrain_config.yaml")
-    add_job_options(parser, f"where to write (default {pretrain_job.DEFAULT_OUTPUT_DIR})")
+    add_job_options(parser, pretrain_job.DEFAULT_OUTPUT_DIR)
     parser.set_defaults(func=_run_pretrain)
 
 
