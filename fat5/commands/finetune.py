@@ -2,7 +2,7 @@
 
 import argparse
 
-from ..trainer.finetune_config import config_reference
+from ..trainer.finetune_config import FinetuneConfig
 from .arguments import add_job_options, is_main_process, run_job
 
 
@@ -11,7 +11,8 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
         "Finetune the FAT5 model that CONFIG names on its dataset with FAT5Trainer, then save it (or its\n"
         "LoRA adapter and the merged model) in the output folder. Examples: fat5/trainer/configs/finetune_*.yaml."
     )
-    parser.epilog = "CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n" + config_reference()
+    parser.epilog = ("CONFIG's keys, with their defaults (fat5/trainer/finetune_config.py):\n\n"
+                     + FinetuneConfig.reference())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", help="YAML configuration (task, model, data, lora, training, ...)")
     add_job_options(parser, "the config's output_dir")
@@ -19,9 +20,7 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
 
 
 def _output_dir(args: argparse.Namespace) -> str:
-    from ..trainer.finetune_config import load_finetune_config
-
-    return args.output_dir or load_finetune_config(args.config, args.overrides).output_dir
+    return args.output_dir or FinetuneConfig.load(args.config, args.overrides).output_dir
 
 
 def _run_finetune(args: argparse.Namespace) -> int:

@@ -7,14 +7,14 @@ import time
 from pathlib import Path
 
 from ..trainer import pretraining as pretrain_job
-from ..trainer.pretrain_config import config_reference
+from ..trainer.pretrain_config import PretrainConfig
 from .arguments import add_job_options, is_main_process, run_job
 
 
 def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.description = pretrain_job.__doc__
     parser.epilog = ("CONFIG's keys, with their defaults, the built-in job's (fat5/trainer/pretrain_config.py; "
-                     "examples: fat5/trainer/configs/pretrain_*.yaml):\n\n" + config_reference())
+                     "examples: fat5/trainer/configs/pretrain_*.yaml):\n\n" + PretrainConfig.reference())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="YAML config; its keys update the built-in default (listed "
                         "below); with --resume and no config, the run's saved pretrain_config.yaml")

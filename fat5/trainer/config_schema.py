@@ -2,9 +2,10 @@
 its default, its meaning and its check, read from YAML (or a mapping) with unknown keys refused, updated by overrides,
 and listed for ``--help``.
 
-A field's metadata is ``about(help, check)``; a check takes the value and the key's name as messages say it, and
-returns the value to keep or raises FAT5Error. A field whose default is a dataclass is a section, checked key by key
-in turn; ``about(help, section=cls)`` marks a section that stays None unless the config gives it.
+A configuration is a dataclass of its keys on `JobConfig`. A field's metadata is ``about(help, check)``; a check takes
+the value and the key's name as messages say it, and returns the value to keep or raises FAT5Error. A field whose
+default is a dataclass is a section, checked key by key in turn; ``about(help, section=cls)`` marks a section that
+stays None unless the config gives it.
 """
 
 from __future__ import annotations
@@ -236,3 +237,37 @@ def reference_lines(cls, indent: str = "") -> list[str]:
         value = value.removesuffix("...\n").strip()
         lines.append(f"{indent}{key.name}: {value}  # {key.metadata['help']}")
     return lines
+
+
+class JobConfig:
+    """What a job's configuration does, whichever the job: read from a YAML path or a mapping and updated by overrides
+    (`load`), checked key by key (`from_mapping`, the subclass's), written back as nested plain dicts (`to_dict`, as
+    the job's output folder records it) and listed with each key's default and meaning for ``--help``
+    (`reference`). A subclass is a dataclass of its keys; ``WHAT`` names it in messages."""
+
+    WHAT = "config"
+
+    @classmethod
+    def load(cls, config=None, overrides=None):
+        """The checked configuration: ``config`` (a YAML path, a mapping, or None for the defaults) updated by
+        ``overrides`` (a mapping of sections, e.g. ``{"training": {"max_steps": 50}}``, or ``KEY=VALUE`` strings,
+        e.g. ``["training.max_steps=50"]``), key by key; a mistake raises FAT5Error naming the key."""
+        return cls.from_mapping(cls.updated(read_config(config, cls.WHAT), overrides_as_sections(overrides)))
+
+    @classmethod
+    def updated(cls, raw: dict, overrides: dict) -> dict:
+        """``raw`` updated by ``overrides`` (`update`)."""
+        return update(raw, overrides)
+
+    @classmethod
+    def from_mapping(cls, raw: dict):
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        """The configuration as nested plain dicts, in the keys' order."""
+        return shallow_dict(self)
+
+    @classmethod
+    def reference(cls) -> str:
+        """Every key with its default and meaning, as commented YAML."""
+        return "\n".join(reference_lines(cls))

@@ -1,5 +1,5 @@
 """The `fat5 finetune` configuration: one dataclass per section, whose fields carry each key's default, meaning and
-check (`fat5 finetune --help` lists them, `config_reference`), on the same machinery as `fat5 pretrain`'s
+check (`fat5 finetune --help` lists them, `FinetuneConfig.reference`), on the same machinery as `fat5 pretrain`'s
 (`config_schema`).
 
 A configuration is a YAML file (or a mapping) with the keys of `FinetuneConfig`; its ``data`` section holds those of
@@ -17,6 +17,7 @@ from ..errors import FAT5Error
 from .config_schema import (
     POSITIVE,
     POSITIVE_OR_NULL,
+    JobConfig,
     about,
     boolean,
     checked,
@@ -24,13 +25,8 @@ from .config_schema import (
     number,
     one_of,
     optional_path,
-    overrides_as_sections,
-    read_config,
-    reference_lines,
-    shallow_dict,
     string,
     training_section,
-    update,
 )
 
 TASKS = ("seq2seq", "sequence_classification", "token_classification")
@@ -170,8 +166,10 @@ class LoraSection:
 
 
 @dataclass
-class FinetuneConfig:
-    """A whole `fat5 finetune` job; `load_finetune_config` reads and checks one."""
+class FinetuneConfig(JobConfig):
+    """A whole `fat5 finetune` job; `FinetuneConfig.load` (`load_finetune_config`) reads and checks one."""
+
+    WHAT = "finetune config"
 
     task: str = field(
         default="seq2seq", metadata=about("seq2seq, sequence_classification or token_classification", one_of(TASKS))
@@ -229,7 +227,7 @@ class FinetuneConfig:
     @classmethod
     def from_mapping(cls, raw: dict) -> FinetuneConfig:
         """Check every key of ``raw`` (the YAML's mapping) and fill in the defaults; mistakes raise FAT5Error."""
-        config = checked(cls, raw, "finetune config")
+        config = checked(cls, raw, cls.WHAT)
         config.data.complete(config.task)
         if config.bundle and config.lora is not None and not config.lora.merge:
             raise FAT5Error("bundle: true needs a full model: with LoRA, keep lora.merge: true")
@@ -237,23 +235,6 @@ class FinetuneConfig:
             raise FAT5Error(f"training.predict_with_generate needs task seq2seq, not {config.task}")
         return config
 
-    def to_dict(self) -> dict:
-        """The configuration as nested plain dicts, in the keys' order (as finetune_config.yaml records it)."""
-        return shallow_dict(self)
 
-
-# ----------------------------------------------------------------------------------------------- reading
-
-
-def load_finetune_config(config, overrides=None) -> FinetuneConfig:
-    """The checked configuration: ``config`` (a YAML path or a mapping) updated by ``overrides`` (a mapping of
-    sections, e.g. ``{"training": {"max_steps": 50}}``, or ``KEY=VALUE`` strings, e.g. ``["training.max_steps=50",
-    "lora=null"]``), key by key; mistakes raise FAT5Error naming the key."""
-    if config is None:
-        raise FAT5Error("fat5 finetune needs a config: a YAML file (fat5/trainer/configs/finetune_*.yaml) or a mapping")
-    return FinetuneConfig.from_mapping(update(read_config(config, "finetune config"), overrides_as_sections(overrides)))
-
-
-def config_reference() -> str:
-    """Every key of a finetuning configuration with its default and meaning, as commented YAML."""
-    return "\n".join(reference_lines(FinetuneConfig))
+# the job's name for `FinetuneConfig.load`, as fat5.trainer exports it
+load_finetune_config = FinetuneConfig.load

@@ -1,5 +1,5 @@
 """The `fat5 pretrain` configuration: one dataclass per section, whose fields carry each key's default, meaning and
-check (`fat5 pretrain --help` lists them, `config_reference`), and the choice of the pretraining path.
+check (`fat5 pretrain --help` lists them, `PretrainConfig.reference`), and the choice of the pretraining path.
 
 The defaults are the built-in job (`fat5 pretrain` with no config): a tiny FAT5 trained eagerly on the Shakespeare
 corpus, on a CPU in a couple of minutes. A config (YAML or a mapping) updates them key by key, the ``model`` and
@@ -24,6 +24,7 @@ from ..errors import FAT5Error
 from .config_schema import (
     POSITIVE,
     POSITIVE_OR_NULL,
+    JobConfig,
     about,
     boolean,
     checked,
@@ -31,13 +32,8 @@ from .config_schema import (
     number,
     one_of,
     optional_path,
-    overrides_as_sections,
-    read_config,
-    reference_lines,
-    shallow_dict,
     string,
     training_section,
-    update,
 )
 
 COMPILE_MODES = ("auto", "cuda-graphs", "default", "regional", "none")
@@ -197,8 +193,10 @@ class CompileSection:
 
 
 @dataclass
-class PretrainConfig:
-    """A whole `fat5 pretrain` job; `load_pretrain_config` reads and checks one."""
+class PretrainConfig(JobConfig):
+    """A whole `fat5 pretrain` job; `PretrainConfig.load` (`load_pretrain_config`) reads and checks one."""
+
+    WHAT = "pretrain config"
 
     seed: int = field(default=0, metadata=about(
         "seeds the model, the data order and the UL2 draws", number(integer=True, minimum=0)))
@@ -224,15 +222,20 @@ class PretrainConfig:
         for name, defaults in (("model", DEFAULT_MODEL), ("training", DEFAULT_TRAINING)):
             if raw.get(name) is None or isinstance(raw[name], dict):
                 raw[name] = {**defaults, **(raw.get(name) or {})}
-        config = checked(cls, raw, "pretrain config")
+        config = checked(cls, raw, cls.WHAT)
         config.data.complete(raw.get("data") or {})
         config._check_model()
         config._check_bucket_widths()
         return config
 
-    def to_dict(self) -> dict:
-        """The configuration as nested plain dicts, in the keys' order (as pretrain_config.yaml records it)."""
-        return shallow_dict(self)
+    @classmethod
+    def updated(cls, raw: dict, overrides: dict) -> dict:
+        """``raw`` updated by ``overrides``, where a corpus the overrides name by path replaces the built-in one the
+        config named."""
+        data = overrides.get("data")
+        if isinstance(data, dict) and "path" in data and "corpus" not in data and isinstance(raw.get("data"), dict):
+            raw["data"].pop("corpus", None)
+        return super().updated(raw, overrides)
 
     def model_config(self, vocab_size: int, pad_token_id: int, eos_token_id: int):
         """The FAT5Config of the model section for a tokenizer's vocabulary and ids."""
@@ -351,16 +354,8 @@ def check_cache_dir(cache_dir: str | None, key: str = "compile.cache_dir",
     return folder
 
 
-def load_pretrain_config(config=None, overrides=None) -> PretrainConfig:
-    """The checked configuration: the defaults updated by ``config`` (a YAML path, a mapping or None), then by
-    ``overrides`` (a mapping of sections, e.g. ``{"training": {"max_steps": 50}, "seed": 1}``, or ``KEY=VALUE``
-    strings, e.g. ``["training.max_steps=50"]``), key by key."""
-    raw = read_config(config, "pretraining config")
-    overrides = overrides_as_sections(overrides)
-    data = overrides.get("data")
-    if isinstance(data, dict) and "path" in data and "corpus" not in data and isinstance(raw.get("data"), dict):
-        raw["data"].pop("corpus", None)  # a corpus named by path replaces the built-in one the config named
-    return PretrainConfig.from_mapping(update(raw, overrides))
+# the job's name for `PretrainConfig.load`, as fat5.trainer exports it
+load_pretrain_config = PretrainConfig.load
 
 
 def differing_keys(first: dict, second: dict, prefix: str = "") -> list[str]:
@@ -373,8 +368,3 @@ def differing_keys(first: dict, second: dict, prefix: str = "") -> list[str]:
         elif one != other:
             keys.append(f"{prefix}{key}")
     return keys
-
-
-def config_reference() -> str:
-    """Every key of a pretraining configuration with its default and meaning, as commented YAML."""
-    return "\n".join(reference_lines(PretrainConfig))
