@@ -720,7 +720,8 @@ CONFIG_MISTAKES = {
         r"train_sampling_strategy must be one of \['random', 'sequential', 'group_by_length'.*got 'shortest'",
     ),
     "bad training value": (
-        lambda c, d: c["training"].update(eval_strategy="sometimes"), r"training: .*sometimes.* is not a valid",
+        lambda c, d: c["training"].update(eval_strategy="sometimes"),
+        r"training.eval_strategy must be one of \['no', 'steps', 'epoch'\], got 'sometimes'",
     ),
     "unknown model field": (
         lambda c, d: c.update(model_overrides={"dropout": 0.1}), r"\['dropout'\] are not FAT5Config fields",
