@@ -213,10 +213,9 @@ def pretrain(config=None, output_dir=None, *, overrides=None, resume: bool = Fal
 
     ``config`` is a YAML path, a mapping, or None for the built-in default (with ``resume``: the run's saved
     config); ``overrides`` a mapping of sections or ``KEY=VALUE`` strings applied over it, key by key. The final
-    model and tokenizer are written to
-    ``output_dir`` itself; a folder that holds a model, checkpoints or files no run wrote is refused unless
-    ``resume`` (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite``
-    (remove what a run wrote there, keep the rest) is set.
+    model and tokenizer are written to ``output_dir`` itself; a folder that holds a model, checkpoints or files no run
+    wrote is refused unless ``resume`` (continue from its newest complete checkpoint, or start over when there is
+    none) or ``overwrite`` (remove what a run wrote there, keep the rest) is set.
     """
     return prepare_pretraining(config, output_dir, overrides=overrides, resume=resume, overwrite=overwrite).run()
 
