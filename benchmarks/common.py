@@ -74,6 +74,22 @@ def parse_or_plot(parser: argparse.ArgumentParser, plot, argv=None) -> argparse.
     return args
 
 
+def kernel_benchmark(description: str, out: str, run, plot, table, sweep_help: str, profile_help: str) -> None:
+    """The command line of a fused op's benchmark (cross_entropy.py, rms_norm.py): ``--out`` (default ``out``),
+    ``--sweep`` over launch configurations, ``--profile``, ``--plot-only``; ``run(args)`` measures and returns the
+    result document, whose table (``table(document)``: its rows and columns) is printed and plot drawn beside it."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    parser.add_argument("--profile", action="store_true", help=profile_help)
+    args = parse_or_plot(parser, plot)
+    if args is None:
+        return
+    document = run(args)
+    print(markdown_table(*table(document)))
+    draw_beside(plot, document, args.out)
+
+
 def save_png(figure, path: str, document: dict, title: str = "", dpi: int = 120) -> None:
     """The figure to `path`, titled `title` and the GPU, torch and triton of the result."""
     environment = document["environment"]

@@ -11,7 +11,6 @@ writes the gradient) over (BLOCK_SIZE, num_warps).
     python benchmarks/cross_entropy.py --plot-only benchmarks/results/cross_entropy.json
 """
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, kernel_benchmark, save_png, write_result
 
 DEVICE = "cuda"
 SHAPES = [(8192, 32128), (4096, 250112)]
@@ -248,24 +247,17 @@ def plot(document: dict, path: str) -> None:
     save_png(figure, path, document)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/cross_entropy.json")
-    parser.add_argument("--sweep", action="store_true", help="also time the forward kernel over launch configs")
-    parser.add_argument("--profile", action="store_true", help="print a profiler table of FAT5 and Liger")
-    args = parse_or_plot(parser, plot)
-    if args is None:
-        return
-    document = run(args)
+def table(document: dict) -> tuple[list[dict], list[str]]:
     rows = [
         {"shape": f"{entry['rows']}x{entry['vocab_size']}", "variant": name, "ms": f"{v['ms']:.3f}",
          "graph ms": f"{v['cudagraph_ms']:.3f}" if "cudagraph_ms" in v else "-",
          "peak MiB": f"{v['peak_extra_mib']:.0f}", "grad err": f"{v['grad_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    print(markdown_table(rows, ["shape", "variant", "ms", "graph ms", "peak MiB", "grad err"]))
-    draw_beside(plot, document, args.out)
+    return rows, ["shape", "variant", "ms", "graph ms", "peak MiB", "grad err"]
 
 
 if __name__ == "__main__":
-    main()
+    kernel_benchmark(__doc__, "benchmarks/results/cross_entropy.json", run, plot, table,
+                     sweep_help="also time the forward kernel over launch configs",
+                     profile_help="print a profiler table of FAT5 and Liger")

@@ -6,7 +6,7 @@ against transformers). Both then finetune on one seq2seq task built from the bui
 is a passage of a scene (``--source-length`` tokens), the target the lines that follow it (``--target-length``
 tokens); every example fills both lengths, so there is no padding and every step holds the same number of tokens.
 
-- FAT5 runs through `fat5 finetune`'s own ``prepare_finetune`` (FAT5Trainer); transformers' model runs with a plain
+- FAT5 runs through `fat5 finetune`'s own ``prepare_finetuning`` (FAT5Trainer); transformers' model runs with a plain
   ``Seq2SeqTrainer`` given the very same ``TrainingArguments``, tokenized dataset and collator, so with the same seed
   both see the same batches in the same order. Weights are float32 with bf16 autocast (``bf16: true``, what a user
   of either would set on a GPU), dropout 0, fused AdamW, the loss logged every step.
@@ -25,6 +25,7 @@ tokens); every example fills both lengths, so there is no padding and every step
 """
 
 import argparse
+import copy
 import gc
 import json
 import logging
@@ -44,9 +45,8 @@ from common import curve_differences, environment, markdown_table, write_result
 from fat5.conversion import convert
 from fat5.testing import TINY_MODEL_FIELDS
 from fat5.trainer.data import shakespeare_texts
-from fat5.trainer.finetune_config import load_finetune_config
 from fat5.trainer.finetune_model import apply_lora
-from fat5.trainer.finetuning import prepare_finetune, training_arguments
+from fat5.trainer.finetuning import prepare_finetuning
 from fat5.trainer.tokenizer import train_tokenizer
 
 logger = logging.getLogger("benchmarks.finetune")
@@ -216,30 +216,32 @@ def compare(work: Path, transformers_dir: Path, fat5_dir: Path, options: dict, l
     from transformers import Seq2SeqTrainer, T5ForConditionalGeneration
 
     source_length, target_length = options["source_length"], options["target_length"]
-    config = load_finetune_config({
+    job = prepare_finetuning({
         "task": "seq2seq",
         "model": str(fat5_dir),
-        "output_dir": str(work / ("lora" if lora else "full")),
         "data": {"train_file": str(work / "train.jsonl"), "max_source_length": source_length,
                  "max_target_length": target_length, "max_train_samples": options["steps"] * options["batch"],
                  "preprocessing_num_workers": options["workers"]},
         "lora": lora,
         "training": options["training"],
-    })
-    setup = prepare_finetune(config)
-    dataset, collator, tokenizer = setup.train_dataset, setup.trainer.data_collator, setup.tokenizer
+    }, work / ("lora" if lora else "full"), overwrite=True)
+    dataset, collator, tokenizer = job.train_dataset, job.trainer.data_collator, job.tokenizer
     tokens_per_step = options["batch"] * tokens_per_example(dataset, source_length, target_length)
     # the adapters start as FAT5's do (A random, B zero): the same weights, not just the same seed
-    adapters = {key: value.detach().cpu().clone() for key, value in setup.model.state_dict().items() if "lora_" in key}
+    adapters = {key: value.detach().cpu().clone() for key, value in job.model.state_dict().items() if "lora_" in key}
+
+    job_arguments, job_lora = job.trainer.args, job.settings.lora
 
     def transformers_trainer(seed: int):
-        arguments = training_arguments({**config, "training": {**config["training"], "seed": seed}}, False)
+        # the job's own arguments, the seed aside (the seed changes nothing that TrainingArguments derives)
+        arguments = copy.deepcopy(job_arguments)
+        arguments.seed = seed
         set_seed(seed)
         model = T5ForConditionalGeneration.from_pretrained(transformers_dir, dtype=torch.float32)
         if model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr():
             raise SystemExit("transformers loaded the untied checkpoint with tied embeddings")
         if lora:
-            model = apply_lora(model, "seq2seq", config["lora"])
+            model = apply_lora(model, "seq2seq", job_lora)
             missing = set(adapters) - set(model.state_dict())
             if missing:
                 raise SystemExit(f"the transformers model lacks FAT5's adapter weights {sorted(missing)[:3]} ...")
@@ -247,21 +249,21 @@ def compare(work: Path, transformers_dir: Path, fat5_dir: Path, options: dict, l
         return Seq2SeqTrainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
                               processing_class=tokenizer)
 
-    reference_trainer = transformers_trainer(config["training"]["seed"])
-    agreement = loss_agreement({"fat5": setup.model, "transformers": reference_trainer.model},
+    reference_trainer = transformers_trainer(job_arguments.seed)
+    agreement = loss_agreement({"fat5": job.model, "transformers": reference_trainer.model},
                                T5_V1_1["vocab_size"], min(source_length, 256), min(target_length, 64), tolerance)
     logger.info("agreement before training: %s", agreement)
     reference_trainer.model.to("cpu")
     release()
-    runs = [train("fat5", setup.trainer, options["warmup_steps"], tokens_per_step)]
-    del setup
+    runs = [train("fat5", job.trainer, options["warmup_steps"], tokens_per_step)]
+    del job
     release()
     reference_trainer.model.to(reference_trainer.args.device)
     runs.append(train("transformers", reference_trainer, options["warmup_steps"], tokens_per_step))
     del reference_trainer
     release()
     if seed_reference:
-        other_seed = config["training"]["seed"] + 1
+        other_seed = job_arguments.seed + 1
         runs.append(train(f"transformers_seed_{other_seed}", transformers_trainer(other_seed),
                           options["warmup_steps"], tokens_per_step))
         release()

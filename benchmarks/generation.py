@@ -5,9 +5,7 @@ max_new_tokens), inputs of ``--input-lengths`` random tokens.
 Implementations: ``fat5`` (FAT5's ``generate`` as a user calls it), ``transformers-static``
 (``cache_implementation="static"``, with which ``generate`` compiles the decoding step: torch.compile,
 reduce-overhead, CUDA graphs), ``transformers-dynamic`` (its default cache, eager), and on request ``fat5-static``
-(FAT5 with transformers' static cache, compiled by ``generate`` the same way) and ``fat5-fused`` (FAT5 with the same
-weights under ``decode_kernels="fused"``: the decoding step's norms inside its projections and its residual adds inside
-the output projections; its ids are also checked in the fp32 check below when it is measured).
+(FAT5 with transformers' static cache, compiled by ``generate`` the same way).
 
 Per implementation, batch and input length, after ``torch._dynamo.reset()`` (each shape's first call is a fresh
 process's; ``--keep-compiled`` leaves compiled code between shapes): the first call's seconds (compilation, graph
@@ -41,17 +39,15 @@ by a time limit keeps what it measured), merged afterwards on any machine:
         runs/generation_long.json --out benchmarks/results/generation.json
     python benchmarks/generation.py --tiny --out /tmp/generation.json    # every path on a CPU, in seconds
 
-``--batches``, ``--input-lengths`` and ``--implementations`` pick smaller subsets (or add ``fat5-fused``).
-``--long`` measures, instead of the grid, FAT5 alone (and ``fat5-fused`` when among ``--implementations``) at batch 1
-on a ``--long-length`` (65,536) token input (transformers' T5 materialises (batch, heads, L, L) scores and cannot
-encode it: ``--long-transformers`` tries it and records the error). The result file holds the rows, FAT5 /
-transformers tokens/s ratios of each (batch, input) whose two rows come from one run, the environment of each run
-(``runs``; each row names its own); a PNG beside it (tokens/s by batch, one panel per input
+``--batches``, ``--input-lengths`` and ``--implementations`` pick smaller subsets. ``--long`` measures, instead of
+the grid, FAT5 alone at batch 1 on a ``--long-length`` (65,536) token input (transformers' T5 materialises (batch,
+heads, L, L) scores and cannot encode it: ``--long-transformers`` tries it and records the error). The result file
+holds the rows, FAT5 / transformers tokens/s ratios of each (batch, input) whose two rows come from one run, the
+environment of each run (``runs``; each row names its own); a PNG beside it (tokens/s by batch, one panel per input
 length, log scales) and markdown tables printed.
 """
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -70,7 +66,6 @@ from generation_profile import BASE, TINY, build_models, timed_generate
 IMPLEMENTATIONS = {
     "fat5": ("fat5", {}),
     "fat5-static": ("fat5", {"cache_implementation": "static"}),
-    "fat5-fused": ("fat5-fused", {}),
     "transformers-static": ("transformers", {"cache_implementation": "static"}),
     "transformers-dynamic": ("transformers", {}),
 }
@@ -199,17 +194,6 @@ def kernels_per_step(model, ids, options: dict, device: str) -> float | None:
     return round((counts[1] - counts[0]) / (new_tokens - 1), 1)
 
 
-def fused_twin(fat5):
-    """The same FAT5 under ``decode_kernels="fused"`` (a model's decoding route is fixed when it is built)."""
-    from fat5 import FAT5ForConditionalGeneration
-
-    config = copy.deepcopy(fat5.config)
-    config.decode_kernels = "fused"
-    twin = FAT5ForConditionalGeneration(config)
-    twin.load_state_dict(fat5.state_dict())
-    return twin.to(fat5.device, fat5.dtype).eval()
-
-
 def error_summary(error: Exception) -> str:
     """"OOM" for an out-of-memory error (compiled code and CUDA graphs raise it as a RuntimeError too), else the
     error's type and first line, its traceback printed for the log."""
@@ -269,14 +253,10 @@ def compare_ids(rows: list[dict], sequences: dict) -> None:
         row.update(ids_compared_with=reference, equal_token_fraction=fraction, first_divergent_step=step)
 
 
-def exactness_fp32(shape: dict, device: str, batch: int, input_length: int, new_tokens: int,
-                   fused: bool = False) -> dict:
+def exactness_fp32(shape: dict, device: str, batch: int, input_length: int, new_tokens: int) -> dict:
     """FAT5's ``generate`` against transformers' (default cache), both models in fp32 with the same weights: the ids
-    must be equal. Also the largest logit difference over the steps up to the first divergent one (all if none).
-    ``fused``: the same for FAT5 under ``decode_kernels="fused"``, under ``"fat5-fused"``."""
+    must be equal. Also the largest logit difference over the steps up to the first divergent one (all if none)."""
     models = build_models(shape, device, torch.float32)
-    if fused:
-        models["fat5-fused"] = fused_twin(models["fat5"])
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(2, shape["vocab_size"] - 1, (batch, input_length), generator=generator).to(device)
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1,
@@ -286,8 +266,6 @@ def exactness_fp32(shape: dict, device: str, batch: int, input_length: int, new_
     check = {"dtype": "float32", "batch": batch, "input_length": input_length, "new_tokens": new_tokens,
              **ids_agreement(outputs["fat5"], outputs["transformers"], new_tokens),
              "compared_with": "transformers-dynamic"}
-    if fused:
-        check["fat5-fused"] = ids_agreement(outputs["fat5-fused"], outputs["transformers"], new_tokens)
     del models, outputs
     release(device)
     return check
@@ -484,19 +462,15 @@ def main(argv=None) -> None:
     if not args.no_exactness:  # correctness first, and a run cut short by a time limit still has it
         exactness = TINY_SETTINGS["exactness"] if args.tiny else EXACTNESS
         try:
-            results["fp32_exactness"] = exactness_fp32(shape, device, *exactness,
-                                                       fused="fat5-fused" in args.implementations)
+            results["fp32_exactness"] = exactness_fp32(shape, device, *exactness)
         except Exception as error:  # noqa: BLE001 - recorded: the speed grid is worth its GPU time all the same
             results["fp32_exactness"] = {"error": error_summary(error)}
             release(device)
         progress(f"fp32 exactness: {results['fp32_exactness']}")
     models = build_models(shape, device, torch.float32 if args.tiny else torch.bfloat16)
-    if "fat5-fused" in args.implementations:
-        models["fat5-fused"] = fused_twin(models["fat5"])
     progress(f"models built ({'tiny, fp32, CPU' if args.tiny else 'base, bf16'})")
     if args.long:
-        names = ["fat5"] + (["fat5-fused"] if "fat5-fused" in args.implementations else [])
-        names += ["transformers-dynamic"] if args.long_transformers else []
+        names = ["fat5"] + (["transformers-dynamic"] if args.long_transformers else [])
         results["long"] = measure_shape(models, names, 1, args.long_length, args, device, progress, bandwidth)
     for input_length in [] if args.long else args.input_lengths:
         for batch in args.batches:

@@ -12,7 +12,6 @@ kernels over their launch configs.
     python benchmarks/rms_norm.py --plot-only benchmarks/results/rms_norm.json
 """
 
-import argparse
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cold_graph_ms, copy_bandwidth_gbs, draw_beside, markdown_table, parse_or_plot, save_png, write_result
+from common import cold_graph_ms, copy_bandwidth_gbs, kernel_benchmark, save_png, write_result
 
 DEVICE = "cuda"
 TOKENS = 32768
@@ -241,15 +240,7 @@ def plot(document: dict, path: str) -> None:
     save_png(figure, path, document)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/rms_norm.json")
-    parser.add_argument("--sweep", action="store_true", help="also time both kernels over launch configs")
-    parser.add_argument("--profile", action="store_true", help="print profiler tables of FAT5 and Liger")
-    args = parse_or_plot(parser, plot)
-    if args is None:
-        return
-    document = run(args)
+def table(document: dict) -> tuple[list[dict], list[str]]:
     rows = [
         {"d": entry["width"], "variant": name, "fwd ms": f"{v['forward_ms']:.4f}",
          "graph fwd": f"{v.get('forward_cudagraph_ms', float('nan')):.4f}",
@@ -259,11 +250,11 @@ def main():
          "dx err": f"{v['grad_input_rel_error']:.1e}"}
         for entry in document["results"] for name, v in entry["variants"].items()
     ]
-    columns = ["d", "variant", "fwd ms", "graph fwd", "fwd+bwd ms", "graph fwd+bwd (cold L2)", "floor fwd / fwd+bwd",
-               "dx err"]
-    print(markdown_table(rows, columns))
-    draw_beside(plot, document, args.out)
+    return rows, ["d", "variant", "fwd ms", "graph fwd", "fwd+bwd ms", "graph fwd+bwd (cold L2)",
+                  "floor fwd / fwd+bwd", "dx err"]
 
 
 if __name__ == "__main__":
-    main()
+    kernel_benchmark(__doc__, "benchmarks/results/rms_norm.json", run, plot, table,
+                     sweep_help="also time both kernels over launch configs",
+                     profile_help="print profiler tables of FAT5 and Liger")

@@ -37,7 +37,6 @@ def main() -> None:
     config = {
         "task": args.task,
         "model": str(model_dir),
-        "output_dir": str(output_dir),
         "data": {
             "train_file": args.train_file,
             "validation_fraction": 0.25,
@@ -50,7 +49,7 @@ def main() -> None:
             "learning_rate": 3e-3 if args.tiny or args.lora else 3e-4,
         },
     }
-    result = finetune(config)
+    result = finetune(config, output_dir)
     losses = [entry["loss"] for entry in result["log_history"] if "loss" in entry]
     print(f"training loss, as logged every 5 steps: {' '.join(f'{loss:.3f}' for loss in losses)}")
     print(f"held-out accuracy {result['eval']['eval_accuracy']:.3f}, macro F1 {result['eval']['eval_f1_macro']:.3f}")

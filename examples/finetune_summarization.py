@@ -36,7 +36,6 @@ def main() -> None:
     config = {
         "task": "seq2seq",
         "model": str(model_dir),
-        "output_dir": str(output_dir),
         "data": {
             "train_file": args.train_file,
             "validation_fraction": 0.25,
@@ -54,7 +53,7 @@ def main() -> None:
             "generation_max_length": 64,
         },
     }
-    result = finetune(config)
+    result = finetune(config, output_dir)
     losses = [entry["loss"] for entry in result["log_history"] if "loss" in entry]
     print(f"training loss, as logged every 5 steps: {' '.join(f'{loss:.3f}' for loss in losses)}")
     print("ROUGE on the held-out quarter: " + ", ".join(

@@ -11,7 +11,6 @@ POSITION_ENCODINGS = ("t5", "alibi", "rope", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
 INITIALIZATIONS = ("t5x", "transformers")
 GRAPHED_DECODING_MODES = ("auto", "always", "never")
-DECODE_KERNELS = ("separate", "fused")
 
 
 class FAT5Config(PretrainedConfig):
@@ -93,15 +92,6 @@ class FAT5Config(PretrainedConfig):
             transformers' loop for anything else (scores without beams, logits, attentions, hidden states, custom
             logits processors or stopping criteria, a decoder prefix, a cache given). `"always"`: that loop on a CPU
             too (the same step, run eagerly). `"never"`: transformers' loop.
-        decode_kernels (`str`, defaults to `"separate"`): the kernels of a decoding step (one new token per row, a KV
-            cache, no gradient, eval mode), in the graphed step and in the decoder layers alike. `"separate"`: a norm,
-            a product, an activation and a residual add each in its own kernel. `"fused"`: each sub-layer's RMSNorm
-            inside its first projection (self-attention's q, k and v, cross-attention's q, the feed-forward's input
-            with its activation) and the residual add inside its output projection (`kernels.decode_linear`), where
-            the Triton kernels run and the projections are plain `nn.Linear`s of one dtype; anything else (training,
-            a prompt, an adapter, autocast, torch.compile) takes the separate route. The same greedy ids; logits
-            within rounding. Read when the model is built: pass it to ``from_pretrained(..., decode_kernels=
-            "fused")`` or set it in the config before building; changing ``model.config`` afterwards changes nothing.
         initialization (`str`, defaults to `"t5x"`): how a fresh model draws its weights; weights loaded from a
             checkpoint are never drawn, so a loaded or converted model is the same under either. `"t5x"`: T5X's
             T5 v1.1 draw, in which an untied `lm_head` has std `d_model**-0.5`, so that pretraining starts from a
@@ -133,8 +123,7 @@ class FAT5Config(PretrainedConfig):
         z_loss: float = 0.0, label_smoothing: float = 0.0, use_fused_cross_entropy: bool = True,
         use_chunked_lm_loss: bool = False, use_fused_rms_norm: bool = True, use_fused_activation: bool = True,
         rope_theta: float = 10000.0, fire_mlp_width: int = 32, fire_init_c: float = 0.1,
-        fire_init_threshold: float = 512.0, initialization: str = "t5x", graphed_decoding: str = "auto",
-        decode_kernels: str = "separate", **kwargs,
+        fire_init_threshold: float = 512.0, initialization: str = "t5x", graphed_decoding: str = "auto", **kwargs,
     ):
         self.vocab_size = vocab_size
         self.d_model = d_model
@@ -170,7 +159,6 @@ class FAT5Config(PretrainedConfig):
         self.fire_init_threshold = fire_init_threshold
         self.initialization = initialization
         self.graphed_decoding = graphed_decoding
-        self.decode_kernels = decode_kernels
         # transformers passes `is_decoder` when it builds the decoder stack's copy of the config
         kwargs.setdefault("is_decoder", False)
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id,
@@ -268,11 +256,6 @@ class FAT5Config(PretrainedConfig):
         if self.graphed_decoding not in GRAPHED_DECODING_MODES:
             raise ValueError(
                 f"FAT5Config.graphed_decoding must be one of {GRAPHED_DECODING_MODES}, got {self.graphed_decoding!r}"
-            )
-        if self.decode_kernels not in DECODE_KERNELS:
-            raise ValueError(
-                f"FAT5Config.decode_kernels must be one of {DECODE_KERNELS} (each op of a decoding step in its own "
-                f"kernel, or the norms and residual adds fused into the projections), got {self.decode_kernels!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -7,10 +7,8 @@ loop, where FAT5's step is some 330 kernels, launched by the host between ``gene
 
 - the step (:func:`_decoder_step`): per decoder layer one product for self-attention's q, k and v, one for the
   feed-forward's input projections, the residual added by each output projection (``addmm_``), FAT5's RMSNorm,
-  attention and activation kernels (under ``decode_kernels="fused"`` each norm runs inside the projection after it,
-  with the activation, and each residual add inside its output projection: ``kernels.decode_linear``); the
-  cross-attention keys and values of every layer come from one product of the encoder's output at the start of the
-  call; T5's bias by relative position is made once per version of the weights,
+  attention and activation kernels; the cross-attention keys and values of every layer come from one product of the
+  encoder's output at the start of the call; T5's bias by relative position is made once per version of the weights,
   not by every attention launch. These derived weights (:class:`_DecoderWeights`) are kept on the model and made
   again when a parameter changes (its ``data_ptr()`` or ``_version``: an in-place change through ``.data`` is not
   seen).
@@ -49,7 +47,6 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .kernels.activation import gated_activation
 from .kernels.attention import attention
-from .kernels.decode_linear import linear_residual, rms_norm_linear
 from .kernels.dispatch import use_triton
 from .kernels.position_bias import NO_POSITION_BIAS, PositionBias
 from .kernels.rms_norm import rms_norm
@@ -180,7 +177,6 @@ class _DecoderWeights:
     norm_backend: str
     attention_backend: str
     activation_backend: str | None  # None: transformers' ACT2FN module
-    fused_projections: bool  # config.decode_kernels="fused", where the kernels run: see _fuses_projections
 
     @staticmethod
     @torch.no_grad()
@@ -196,8 +192,6 @@ class _DecoderWeights:
                                            [attention_.own_position_parameters() for attention_ in self_attentions],
                                            model.lm_head.weight.device)
         attention_backend = self_attentions[0].backend
-        norm_backend = model.decoder.final_layer_norm.backend
-        activation_backend = feed_forwards[0].activation_backend
         return _DecoderWeights(
             embedding=model.decoder.embed_tokens.weight,
             norms=[tuple(sub.layer_norm.weight for sub in block.layer) for block in blocks],
@@ -213,19 +207,10 @@ class _DecoderWeights:
             position_bias=position_bias,
             position_encoding=self_attentions[0].stack_position_encoding,
             t5_bias_rows=_t5_bias_rows(attention_backend, position_bias),
-            norm_backend=norm_backend,
+            norm_backend=model.decoder.final_layer_norm.backend,
             attention_backend=attention_backend,
-            activation_backend=activation_backend,
-            fused_projections=_fuses_projections(blocks[0], norm_backend, activation_backend, model.lm_head.weight),
+            activation_backend=feed_forwards[0].activation_backend,
         )
-
-
-def _fuses_projections(block, norm_backend: str, activation_backend: str | None, weight: torch.Tensor) -> bool:
-    """Whether the step runs the norms and residual adds inside its projections (``kernels.decode_linear``): the
-    decoder asks for it (``decode_kernels="fused"``), the norms' backend runs the Triton kernels on these weights and
-    the activation is one those kernels know. ``unsupported_model_reason`` has checked the rest: plain projections,
-    every parameter of one dtype."""
-    return block.fused_decoding and use_triton(norm_backend, weight) and activation_backend is not None
 
 
 def _feed_forward_input(feed_forward) -> torch.Tensor:
@@ -254,24 +239,6 @@ def _norm(config, weights, hidden_states: torch.Tensor, weight: torch.Tensor) ->
     return rms_norm(hidden_states, weight, config.layer_norm_epsilon, backend=weights.norm_backend)
 
 
-def _normed_projection(config, weights, hidden_states: torch.Tensor, norm: torch.Tensor, projection: torch.Tensor,
-                       **activation) -> torch.Tensor:
-    """``norm(hidden_states) @ projection.T``: one kernel when the projections are fused (``activation`` /
-    ``linear_weight``: see ``rms_norm_linear``; only then given)."""
-    if weights.fused_projections:
-        return rms_norm_linear(hidden_states, norm, projection, config.layer_norm_epsilon, backend=weights.norm_backend,
-                               **activation)
-    return nn.functional.linear(_norm(config, weights, hidden_states, norm), projection)
-
-
-def _output_projection(weights, hidden_states: torch.Tensor, output: torch.Tensor, projection: torch.Tensor):
-    """``hidden_states + output @ projection.T``, the residual stream after a sub-layer."""
-    if weights.fused_projections:
-        return linear_residual(output, projection, hidden_states, backend=weights.norm_backend)
-    # in place: out of place, addmm copies the residual into a new tensor first (one more kernel)
-    return hidden_states.addmm_(output, projection.t())
-
-
 def _attend(config, weights, query, key, value, position_bias=NO_POSITION_BIAS, bias_rows=None, causal=False,
             key_padding_mask=None, query_offset=None) -> torch.Tensor:
     """(batch, heads, 1, head_dim) attention output: FAT5's decoding kernel, or its reference off the GPU."""
@@ -287,8 +254,8 @@ def _attend(config, weights, query, key, value, position_bias=NO_POSITION_BIAS, 
 
 def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
     batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
-    query_key_value = _normed_projection(config, weights, hidden_states, weights.norms[layer][0],
-                                         weights.query_key_value[layer]).view(batch, 3, heads, 1, head_dim)
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][0])
+    query_key_value = nn.functional.linear(normed, weights.query_key_value[layer]).view(batch, 3, heads, 1, head_dim)
     query, key_value = query_key_value[:, 0], query_key_value[:, 1:].transpose(0, 1)
     if weights.position_encoding.rotates:  # else the key is written to the cache as it is, without a copy
         position_ids = buffers.position.view(1, 1)
@@ -298,29 +265,22 @@ def _self_attention(config, weights, buffers, layer: int, hidden_states: torch.T
     cache.index_copy_(3, buffers.position, key_value)
     output = _attend(config, weights, query, cache[0], cache[1], weights.position_bias[layer],
                      weights.t5_bias_rows[layer], causal=True, query_offset=buffers.position)
-    return _output_projection(weights, hidden_states, output.reshape(batch, heads * head_dim),
-                              weights.self_output[layer])
+    # in place: out of place, addmm copies the residual into a new tensor first (one more kernel)
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.self_output[layer].t())
 
 
 def _cross_attention(config, weights, buffers, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
     batch, heads, head_dim = hidden_states.shape[0], config.num_heads, config.d_kv
-    query = _normed_projection(config, weights, hidden_states, weights.norms[layer][1], weights.cross_query[layer])
+    normed = _norm(config, weights, hidden_states, weights.norms[layer][1])
+    query = nn.functional.linear(normed, weights.cross_query[layer]).view(batch, heads, 1, head_dim)
     key, value = buffers.cross_key_value_of(layer)
-    output = _attend(config, weights, query.view(batch, heads, 1, head_dim), key, value,
-                     key_padding_mask=buffers.cross_mask)
-    return _output_projection(weights, hidden_states, output.reshape(batch, heads * head_dim),
-                              weights.cross_output[layer])
+    output = _attend(config, weights, query, key, value, key_padding_mask=buffers.cross_mask)
+    return hidden_states.addmm_(output.reshape(batch, heads * head_dim), weights.cross_output[layer].t())
 
 
 def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
-    projection = weights.feed_forward_input[layer]
-    if weights.fused_projections:
-        # the gated input is kept as (2, d_model, d_ff): each half transposed back is wi_0's or wi_1's own layout
-        gate, linear = (projection[0].t(), projection[1].t()) if config.is_gated_act else (projection, None)
-        activated = _normed_projection(config, weights, hidden_states, weights.norms[layer][2], gate,
-                                       activation=config.dense_act_fn, linear_weight=linear)
-        return _output_projection(weights, hidden_states, activated, weights.feed_forward_output[layer])
     normed = _norm(config, weights, hidden_states, weights.norms[layer][2])
+    projection = weights.feed_forward_input[layer]
     if config.is_gated_act:
         gate, linear = torch.matmul(normed, projection)  # one batched product: (2, batch, d_ff)
     else:
@@ -330,7 +290,7 @@ def _feed_forward(config, weights, layer: int, hidden_states: torch.Tensor) -> t
     else:
         activated = ACT2FN[config.dense_act_fn](gate)
         activated = activated if linear is None else activated * linear
-    return _output_projection(weights, hidden_states, activated, weights.feed_forward_output[layer])
+    return hidden_states.addmm_(activated, weights.feed_forward_output[layer].t())
 
 
 def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -> torch.Tensor:
@@ -340,7 +300,7 @@ def _decoder_step(config, weights: _DecoderWeights, buffers: "_DecodingGraph") -
         hidden_states = clamp_fp16(_self_attention(config, weights, buffers, layer, hidden_states))
         hidden_states = clamp_fp16(_cross_attention(config, weights, buffers, layer, hidden_states))
         hidden_states = clamp_fp16(_feed_forward(config, weights, layer, hidden_states))
-    return _normed_projection(config, weights, hidden_states, weights.final_norm, weights.lm_head)
+    return nn.functional.linear(_norm(config, weights, hidden_states, weights.final_norm), weights.lm_head)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -37,8 +37,6 @@ from .configuration_fat5 import FAT5Config
 from .kernels.activation import ACTIVATIONS, gated_activation
 from .kernels.attention import attention, attention_varlen, attention_with_probabilities
 from .kernels.cross_entropy import cross_entropy
-from .kernels.decode_linear import linear_residual, rms_norm_linear
-from .kernels.dispatch import use_triton
 from .kernels.linear_cross_entropy import linear_cross_entropy
 from .kernels.position_bias import PositionBias
 from .kernels.rms_norm import rms_norm
@@ -175,27 +173,8 @@ class FAT5LayerFF(nn.Module):
         self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states: torch.Tensor, fused_decoding_step: bool = False) -> torch.Tensor:
-        """``fused_decoding_step``: the block's call is a decoding step of the fused kernels (see
-        :func:`_is_fused_decoding_step`), which this layer follows where its projections allow."""
-        if fused_decoding_step:
-            output = self._fused_decoding_step(hidden_states)
-            if output is not None:
-                return output
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
-
-    def _fused_decoding_step(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The layer's output in two kernels (norm, input projections and activation; output projection and
-        residual), or None where its projections or activation keep it on the separate route."""
-        feed_forward = self.DenseReluDense
-        gated = isinstance(feed_forward, FAT5DenseGatedActDense)
-        gate, linear = (feed_forward.wi_0, feed_forward.wi_1) if gated else (feed_forward.wi, None)
-        projections = [module for module in (gate, linear, feed_forward.wo) if module is not None]
-        if feed_forward.activation_backend is None or not _fuses_into(self.layer_norm, hidden_states, projections):
-            return None
-        activated = _normed_projection(self.layer_norm, gate, hidden_states, activation=feed_forward.activation_name,
-                                       linear_weight=None if linear is None else linear.weight)
-        return linear_residual(activated, feed_forward.wo.weight, hidden_states, backend=self.layer_norm.backend)
 
 
 def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerNorm:
@@ -203,42 +182,6 @@ def _layer_norm(config: FAT5Config, autocast_output: bool = False) -> FAT5LayerN
     return FAT5LayerNorm(
         config.d_model, eps=config.layer_norm_epsilon, backend=backend, autocast_output=autocast_output
     )
-
-
-def _is_fused_decoding_step(block, hidden_states: torch.Tensor, past_key_values) -> bool:
-    """Whether ``block`` runs this call as a decoding step of the fused kernels (``config.decode_kernels="fused"``):
-    one new token per row with a KV cache, no gradient, eval mode (no dropout to apply), no autocast, and not under
-    torch.compile (transformers' static cache compiles the step: Inductor fuses the norms and adds itself)."""
-    return (
-        block.fused_decoding
-        and past_key_values is not None
-        and hidden_states.shape[1] == 1
-        and not block.training
-        and not torch.is_grad_enabled()
-        and _autocast_dtype(hidden_states.device.type) is None
-        and not torch.compiler.is_compiling()
-    )
-
-
-def _fuses_into(layer_norm: FAT5LayerNorm, hidden_states: torch.Tensor, projections: list[nn.Module]) -> bool:
-    """Whether a sub-layer's norm and projections can run in the fused kernels: the norm's backend runs the Triton
-    kernels for this tensor, and the norm and every projection (plain bias-free ``nn.Linear``s, no adapter) have the
-    residual stream's dtype (a ``wo`` kept in fp32 under half weights takes the separate route)."""
-    dtype = hidden_states.dtype
-    return (
-        use_triton(layer_norm.backend, hidden_states)
-        and layer_norm.weight.dtype == dtype
-        and all(type(module) is nn.Linear and module.bias is None and module.weight.dtype == dtype
-                for module in projections)
-    )
-
-
-def _normed_projection(layer_norm: FAT5LayerNorm, projection: nn.Linear, hidden_states: torch.Tensor,
-                       **activation) -> torch.Tensor:
-    """``projection(layer_norm(hidden_states))`` in one kernel (``activation`` / ``linear_weight``: see
-    ``rms_norm_linear``)."""
-    return rms_norm_linear(hidden_states, layer_norm.weight, projection.weight, layer_norm.variance_epsilon,
-                           backend=layer_norm.backend, **activation)
 
 
 class FAT5Attention(nn.Module):
@@ -306,21 +249,17 @@ class FAT5Attention(nn.Module):
         position_parameters: tuple[torch.Tensor, ...] = (),
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
-        input_norm: FAT5LayerNorm | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """Returns the output, the stack's position parameters for the later layers (see
         :class:`StackPositionEncoding`: copies of this layer's own when it has some, else ``position_parameters``,
         the first layer's, passed on) and, with ``output_attentions``, the attention probabilities (batch, heads,
-        query, key), else None.
-
-        ``input_norm``: a fused decoding step. ``hidden_states`` is then the residual stream, not yet normed: the
-        norm runs inside the projections of it, and the output comes with that residual added."""
+        query, key), else None."""
         batch_size, query_length, _ = hidden_states.shape
         key_value_layout = layout if key_value_layout is None else key_value_layout
-        query = self._project(self.q, hidden_states, input_norm)
-        query = query.view(batch_size, query_length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+        query = self.q(hidden_states).view(batch_size, query_length, self.n_heads, self.key_value_proj_dim)
+        query = query.transpose(1, 2)
         query = self.stack_position_encoding.rotate(query, layout.position_ids)
-        key, value = self._keys_values(hidden_states, key_value_states, key_value_layout, past_key_values, input_norm)
+        key, value = self._keys_values(hidden_states, key_value_states, key_value_layout, past_key_values)
 
         query_offset = 0 if self.is_cross_attention else layout.query_offset
         if layout.is_packed:
@@ -340,30 +279,18 @@ class FAT5Attention(nn.Module):
                 output_attentions,
             )
         # reshape: below the kernels' smallest head dim the output is a slice of a padded one (not contiguous)
-        output = output.reshape(batch_size, query_length, self.inner_dim)
-        if input_norm is None:
-            output = self.o(output)
-        else:
-            output = linear_residual(output, self.o.weight, hidden_states, backend=input_norm.backend)
-        return output, position_parameters, probabilities
+        return self.o(output.reshape(batch_size, query_length, self.inner_dim)), position_parameters, probabilities
 
-    @staticmethod
-    def _project(projection: nn.Linear, hidden_states: torch.Tensor, input_norm: FAT5LayerNorm | None):
-        return projection(hidden_states) if input_norm is None else _normed_projection(input_norm, projection,
-                                                                                        hidden_states)
-
-    def _keys_values(self, hidden_states, key_value_states, key_value_layout, past_key_values, input_norm=None):
+    def _keys_values(self, hidden_states, key_value_states, key_value_layout, past_key_values):
         """The keys and values that the queries attend to, through the KV cache when there is one (a cross-attention
-        layer projects the encoder's states once and reads them back at every later step). ``input_norm``: see
-        ``forward``; the encoder's states, which a cross-attention projects, are never normed here."""
+        layer projects the encoder's states once and reads them back at every later step)."""
         if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
             cached = past_key_values.cross_attention_cache.layers[self.layer_idx]
             return cached.keys, cached.values
         source = key_value_states if self.is_cross_attention else hidden_states
-        source_norm = None if self.is_cross_attention else input_norm
         kv_shape = (source.shape[0], source.shape[1], self.n_heads, self.key_value_proj_dim)
-        key = self._project(self.k, source, source_norm).view(kv_shape).transpose(1, 2)
-        value = self._project(self.v, source, source_norm).view(kv_shape).transpose(1, 2)
+        key = self.k(source).view(kv_shape).transpose(1, 2)
+        value = self.v(source).view(kv_shape).transpose(1, 2)
         key = self.stack_position_encoding.rotate(key, key_value_layout.position_ids)
         if past_key_values is None:
             return key, value
@@ -459,17 +386,10 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = _layer_norm(config, autocast_output=True)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, layout, position_parameters=(), past_key_values=None, output_attentions=False,
-                fused_decoding_step=False):
-        """``fused_decoding_step``: see :meth:`FAT5LayerFF.forward`."""
-        attention_ = self.SelfAttention
-        arguments = {"position_parameters": position_parameters, "past_key_values": past_key_values,
-                     "output_attentions": output_attentions}
-        projections = [attention_.q, attention_.k, attention_.v, attention_.o]
-        if fused_decoding_step and _fuses_into(self.layer_norm, hidden_states, projections):
-            return attention_(hidden_states, layout, input_norm=self.layer_norm, **arguments)
-        attention_output, position_parameters, probabilities = attention_(
-            self.layer_norm(hidden_states), layout, **arguments
+    def forward(self, hidden_states, layout, position_parameters=(), past_key_values=None, output_attentions=False):
+        attention_output, position_parameters, probabilities = self.SelfAttention(
+            self.layer_norm(hidden_states), layout, position_parameters=position_parameters,
+            past_key_values=past_key_values, output_attentions=output_attentions,
         )
         return hidden_states + self.dropout(attention_output), position_parameters, probabilities
 
@@ -482,15 +402,15 @@ class FAT5LayerCrossAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, layout, key_value_states, key_value_layout, past_key_values=None,
-                output_attentions=False, fused_decoding_step=False):
-        """``fused_decoding_step``: see :meth:`FAT5LayerFF.forward`."""
-        attention_ = self.EncDecAttention
-        arguments = {"key_value_states": key_value_states, "key_value_layout": key_value_layout,
-                     "past_key_values": past_key_values, "output_attentions": output_attentions}
-        if fused_decoding_step and _fuses_into(self.layer_norm, hidden_states, [attention_.q, attention_.o]):
-            output, _, probabilities = attention_(hidden_states, layout, input_norm=self.layer_norm, **arguments)
-            return output, probabilities
-        attention_output, _, probabilities = attention_(self.layer_norm(hidden_states), layout, **arguments)
+                output_attentions=False):
+        attention_output, _, probabilities = self.EncDecAttention(
+            self.layer_norm(hidden_states),
+            layout,
+            key_value_states=key_value_states,
+            key_value_layout=key_value_layout,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+        )
         return hidden_states + self.dropout(attention_output), probabilities
 
 
@@ -498,7 +418,6 @@ class FAT5Block(GradientCheckpointingLayer):
     def __init__(self, config, has_relative_attention_bias=False, is_decoder=False, layer_idx=None):
         super().__init__()
         self.is_decoder = is_decoder
-        self.fused_decoding = is_decoder and config.decode_kernels == "fused"
         self.layer = nn.ModuleList()
         self.layer.append(
             FAT5LayerSelfAttention(
@@ -527,19 +446,17 @@ class FAT5Block(GradientCheckpointingLayer):
         The position parameters come in and go out as tensors of their own, not in a container: reentrant gradient
         checkpointing (``use_reentrant=True``) carries gradients only through the tensors among a block's arguments
         and outputs, and would lose the later blocks' share of the first block's bias table."""
-        fused = _is_fused_decoding_step(self, hidden_states, past_key_values)
         hidden_states, position_parameters, self_probabilities = self.layer[0](
-            hidden_states, layout, position_parameters, past_key_values, output_attentions, fused_decoding_step=fused
+            hidden_states, layout, position_parameters, past_key_values, output_attentions
         )
         hidden_states = clamp_fp16(hidden_states)
         cross_probabilities = None
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states, cross_probabilities = self.layer[1](
-                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, output_attentions,
-                fused_decoding_step=fused,
+                hidden_states, layout, encoder_hidden_states, encoder_layout, past_key_values, output_attentions
             )
             hidden_states = clamp_fp16(hidden_states)
-        hidden_states = clamp_fp16(self.layer[-1](hidden_states, fused_decoding_step=fused))
+        hidden_states = clamp_fp16(self.layer[-1](hidden_states))
         return hidden_states, self_probabilities, cross_probabilities, *position_parameters
 
 

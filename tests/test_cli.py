@@ -66,7 +66,7 @@ def test_every_dtype_spelling_is_taken_by_every_dtype_option(spelling, name, tmp
     assert parser.parse_args(["convert", "src", "out", "--dtype", spelling]).dtype == name
     assert parser.parse_args(["export-hf", "src", "out", "--dtype", spelling]).dtype == name
     config = {"model": "some/model", "output_dir": str(tmp_path), "data": {"train_file": "train.jsonl"}}
-    assert load_finetune_config(dict(config, dtype=spelling))["dtype"] == name
+    assert load_finetune_config(dict(config, dtype=spelling)).dtype == name
 
 
 def test_an_unknown_dtype_is_one_line_naming_the_choices(capsys):
@@ -94,11 +94,9 @@ GPU_ONLY_BENCHMARKS = ["attention", "cross-entropy", "rms-norm", "model", "launc
 
 
 TINY_ON_CPU_BENCHMARKS = ["finetune", "pretrain", "distributed", "generation", "generation-profile", "gradient-check"]
-# benchmarks whose CPU mode checks their kernels' logic instead of measuring
-CHECK_ON_CPU_BENCHMARKS = {"attention-hopper": "--interpret-check"}
 
 
-@pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, *TINY_ON_CPU_BENCHMARKS, *CHECK_ON_CPU_BENCHMARKS])
+@pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, *TINY_ON_CPU_BENCHMARKS])
 def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
     """attention, cross-entropy and rms-norm used to end in `Torch not compiled with CUDA enabled` tracebacks."""
     import torch
@@ -110,7 +108,6 @@ def test_a_gpu_benchmark_without_cuda_is_one_line(name, capfd):
     [line] = captured.err.splitlines()
     assert line.startswith(f"fat5 bench: error: {name} measures on a CUDA GPU and this machine has none")
     assert ("--tiny" in line) == (name in TINY_ON_CPU_BENCHMARKS)
-    assert (name in CHECK_ON_CPU_BENCHMARKS) == (CHECK_ON_CPU_BENCHMARKS.get(name, "--never") in line)
     assert captured.out == ""
 
 

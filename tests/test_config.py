@@ -48,7 +48,6 @@ def test_attention_scale_none_means_inverse_sqrt_head_dim():
         ("position_bias_per_layer", "yes"),
         ("use_fused_cross_entropy", None),
         ("use_fused_rms_norm", "no"),
-        ("decode_kernels", "fast"),
     ],
 )
 def test_invalid_values_name_the_field(field, value):

@@ -36,7 +36,8 @@ def _check_after_kill(run_dir: Path, before: set[str], new: str) -> dict:
     one a resume picks loads."""
     from safetensors.torch import load_file
 
-    from fat5.output_folder import CHECKPOINT_STAGING, checkpoint_problem, newest_complete_checkpoint
+    from fat5.checkpoints import checkpoint_problem, newest_complete_checkpoint
+    from fat5.folder_contents import CHECKPOINT_STAGING
 
     present = {path.name for path in run_dir.glob("checkpoint-*")}
     problems = {name: checkpoint_problem(run_dir / name) for name in present}
@@ -153,3 +154,14 @@ def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path, capfd):
 
 if __name__ == "__main__":
     _drive(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+def test_checkpoint_folders_are_named_as_transformers_names_them():
+    """fat5.folder_contents spells transformers' checkpoint prefix out (its module costs seconds to import): a
+    release that renamed it would leave every checkpoint unseen by --resume and --overwrite."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from fat5.folder_contents import CHECKPOINT_NAME, CHECKPOINT_PREFIX, is_run_file
+
+    assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR
+    assert CHECKPOINT_NAME.match(f"{PREFIX_CHECKPOINT_DIR}-12")[1] == "12" and is_run_file(f"{PREFIX_CHECKPOINT_DIR}-3")

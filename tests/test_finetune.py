@@ -22,9 +22,9 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 import fat5
 from fat5 import FAT5Error
 from fat5.testing import make_tiny_model
-from fat5.trainer.finetune_config import load_finetune_config
+from fat5.trainer.finetune_config import LoraSection, load_finetune_config
 from fat5.trainer.finetune_model import apply_lora, check_lora_targets, default_lora_targets
-from fat5.trainer.finetuning import finetune, prepare_finetune, run_finetune
+from fat5.trainer.finetuning import finetune, prepare_finetuning
 from fat5.trainer.metrics import (
     classification_scores,
     rouge,
@@ -82,7 +82,7 @@ def test_full_finetuning_lowers_the_loss_and_reports_rouge(tiny_model, tmp_path)
     assert not [path.name for path in model_dir.iterdir() if path.name.startswith(".")]
     saved_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert saved_metrics["eval"]["eval_rouge1"] == evaluation["eval_rouge1"]
-    assert load_finetune_config(tmp_path / "run" / "finetune_config.yaml")["training"]["max_steps"] == 40
+    assert load_finetune_config(tmp_path / "run" / "finetune_config.yaml").training["max_steps"] == 40
 
 
 def test_an_output_folder_with_a_model_or_checkpoints_needs_resume_or_overwrite(tiny_model, tmp_path, capfd):
@@ -120,12 +120,12 @@ def test_an_output_folder_with_a_model_or_checkpoints_needs_resume_or_overwrite(
 
 
 def test_training_batches_are_grouped_by_length(tiny_model, tmp_path):
-    setup = prepare_finetune(load_finetune_config(seq2seq_config(tiny_model, tmp_path, validation=False)))
-    assert setup.trainer.args.train_sampling_strategy == "group_by_length"
-    sampler = setup.trainer._get_train_sampler()
+    job = prepare_finetuning(seq2seq_config(tiny_model, tmp_path, validation=False))
+    assert job.trainer.args.train_sampling_strategy == "group_by_length"
+    sampler = job.trainer._get_train_sampler()
     assert isinstance(sampler, LengthGroupedSampler)
     # the sampler's megabatches (50 batches) are sorted by length, longest first
-    lengths = [len(setup.train_dataset[int(i)]["input_ids"]) for i in sampler]
+    lengths = [len(job.train_dataset[int(i)]["input_ids"]) for i in sampler]
     assert lengths[0] == max(lengths)
 
 
@@ -150,11 +150,11 @@ def test_data_loads_from_files_and_dataset_names(source, tiny_model, tmp_path):
             else:
                 dataset.to_csv(path, index=False, sep="\t" if source == "tsv" else ",")
         config["data"].update(train_file=str(paths[0]), validation_file=str(paths[1]))
-    setup = prepare_finetune(load_finetune_config(config))
-    assert (len(setup.train_dataset), len(setup.eval_dataset)) == (48, 16)
-    first = setup.train_dataset[0]
-    assert first["input_ids"] == setup.tokenizer(ROWS[0]["document"])["input_ids"]
-    labels = setup.tokenizer(text_target=ROWS[0]["summary"], max_length=24, truncation=True)["input_ids"]
+    job = prepare_finetuning(config)
+    assert (len(job.train_dataset), len(job.eval_dataset)) == (48, 16)
+    first = job.train_dataset[0]
+    assert first["input_ids"] == job.tokenizer(ROWS[0]["document"])["input_ids"]
+    labels = job.tokenizer(text_target=ROWS[0]["summary"], max_length=24, truncation=True)["input_ids"]
     assert first["labels"] == labels
 
 
@@ -277,16 +277,16 @@ def test_lora_trains_only_the_adapters_which_reload_and_merge(tiny_model, tmp_pa
     lora = {"r": 4, "alpha": 8, "dropout": 0.0}
     config = seq2seq_config(base, tmp_path / "run", lora=lora, validation=False, max_steps=12, learning_rate=1e-2)
     config["bundle"] = True
-    setup = prepare_finetune(load_finetune_config(config))
-    trainable = sorted(name for name, parameter in setup.model.named_parameters() if parameter.requires_grad)
+    job = prepare_finetuning(config)
+    trainable = sorted(name for name, parameter in job.model.named_parameters() if parameter.requires_grad)
     assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
     wrapped = {name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in trainable}
     assert wrapped == {"q", "k", "v", "o", "wi_0", "wi_1", "wo"}
-    before = {name: parameter.detach().clone() for name, parameter in setup.model.named_parameters()}
+    before = {name: parameter.detach().clone() for name, parameter in job.model.named_parameters()}
 
-    result = run_finetune(setup)
+    result = job.run()
 
-    for name, parameter in setup.model.named_parameters():
+    for name, parameter in job.model.named_parameters():
         if name in trainable:
             if ".lora_B." in name:  # B starts at zero: every one must have moved
                 assert not torch.equal(parameter, before[name]), name
@@ -297,8 +297,8 @@ def test_lora_trains_only_the_adapters_which_reload_and_merge(tiny_model, tmp_pa
     assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved)
     assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
 
-    batch = sample_batch(setup.tokenizer)
-    expected = logits_of(setup.model, batch)
+    batch = sample_batch(job.tokenizer)
+    expected = logits_of(job.model, batch)
     for trust_remote_code in (False, True):
         reloaded = AutoPeftModelForSeq2SeqLM.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code)
         torch.testing.assert_close(logits_of(reloaded, batch), expected, rtol=1e-5, atol=1e-5)
@@ -331,8 +331,7 @@ def test_lora_targets_follow_the_feed_forward(tiny_model, relu_model):
         check_lora_targets(gated, ["q", "query"])
     check_lora_targets(gated, ["encoder.block.0.layer.0.SelfAttention.q"])
 
-    lora = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": None, "modules_to_save": None, "bias": "none",
-            "use_rslora": False}
+    lora = LoraSection(r=2, alpha=4, dropout=0.0)
     relu_linear = [name for name, module in relu.named_modules() if isinstance(module, torch.nn.Linear)]
     peft_model = apply_lora(relu, "seq2seq", lora)
     wrapped = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
@@ -371,12 +370,12 @@ def test_encoder_heads_finetune(task, tiny_model, tmp_path):
 def test_token_labels_mark_the_first_piece_of_each_word(tiny_model, tmp_path):
     config = head_config("token_classification", tiny_model, tmp_path)
     config["data"]["validation_fraction"] = None  # the training rows stay in the file's order
-    setup = prepare_finetune(load_finetune_config(config))
-    tag_index = setup.model.config.label2id
-    for row, example in zip(ROWS[:3], setup.train_dataset):
+    job = prepare_finetuning(config)
+    tag_index = job.model.config.label2id
+    for row, example in zip(ROWS[:3], job.train_dataset):
         expected = []
         for word, tag in zip(row["words"], row["tags"]):
-            pieces = setup.tokenizer(word, add_special_tokens=False)["input_ids"]
+            pieces = job.tokenizer(word, add_special_tokens=False)["input_ids"]
             expected += [tag_index[tag]] + [-100] * (len(pieces) - 1)
         assert example["labels"] == expected + [-100]  # the closing </s> is not scored
 
@@ -384,22 +383,22 @@ def test_token_labels_mark_the_first_piece_of_each_word(tiny_model, tmp_path):
 def test_lora_on_a_classification_head_trains_the_head_in_full(tiny_model, tmp_path):
     lora = {"r": 4, "alpha": 8, "dropout": 0.0}
     config = head_config("sequence_classification", tiny_model, tmp_path, lora=lora, max_steps=6, learning_rate=1e-2)
-    setup = prepare_finetune(load_finetune_config(config))
-    before = {name: parameter.detach().clone() for name, parameter in setup.model.named_parameters()}
-    trainable = {name for name, parameter in setup.model.named_parameters() if parameter.requires_grad}
+    job = prepare_finetuning(config)
+    before = {name: parameter.detach().clone() for name, parameter in job.model.named_parameters()}
+    trainable = {name for name, parameter in job.model.named_parameters() if parameter.requires_grad}
     assert any("classification_head" in name for name in trainable)
     assert all(".lora_" in name or "classification_head.modules_to_save" in name for name in trainable)
 
-    result = run_finetune(setup)
-    for name, parameter in setup.model.named_parameters():
+    result = job.run()
+    for name, parameter in job.model.named_parameters():
         changed = not torch.equal(parameter, before[name])
         if name not in trainable:
             assert not changed, f"frozen weight {name} changed"
         elif ".lora_B." in name or "modules_to_save" in name:
             assert changed, f"trainable weight {name} did not change"
     merged = fat5.FAT5ForSequenceClassification.from_pretrained(result["merged_dir"])
-    batch = setup.tokenizer([ROWS[0]["document"], ROWS[40]["document"]], return_tensors="pt", padding=True)
-    torch.testing.assert_close(logits_of(merged, dict(batch)), logits_of(setup.model, dict(batch)))
+    batch = job.tokenizer([ROWS[0]["document"], ROWS[40]["document"]], return_tensors="pt", padding=True)
+    torch.testing.assert_close(logits_of(merged, dict(batch)), logits_of(job.model, dict(batch)))
 
 
 # ----------------------------------------------------------------------------------------------- gradient accumulation
@@ -419,11 +418,12 @@ def trained_sgd_step(config: dict, batch_size: int, accumulation: int):
         max_grad_norm=0.0, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
         train_sampling_strategy="sequential",
     )
-    setup = prepare_finetune(load_finetune_config(config))
-    before = {name: p.detach().clone() for name, p in setup.model.named_parameters() if p.requires_grad}
-    loss = setup.trainer.train().training_loss
-    update = {name: before[name] - p.detach() for name, p in setup.model.named_parameters() if p.requires_grad}
-    return setup.trainer, loss, update
+    # overwrite: a second step of the same config (a compiled one, compared with the eager) runs in the same folder
+    job = prepare_finetuning(config, overwrite=True)
+    before = {name: p.detach().clone() for name, p in job.model.named_parameters() if p.requires_grad}
+    loss = job.trainer.train().training_loss
+    update = {name: before[name] - p.detach() for name, p in job.model.named_parameters() if p.requires_grad}
+    return job.trainer, loss, update
 
 
 def assert_same_step(config: dict) -> None:
@@ -456,7 +456,7 @@ def four_rows(tmp_path) -> Path:
 
 @pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8, "dropout": 0.0}], ids=["full", "lora"])
 def test_gradient_accumulation_is_exact_for_seq2seq(lora, tiny_model, tmp_path, four_rows):
-    config = seq2seq_config(tiny_model, tmp_path, lora=lora, validation=False)
+    config = seq2seq_config(tiny_model, tmp_path / "run", lora=lora, validation=False)
     config["data"]["train_file"] = str(four_rows)
     assert_same_step(config)
 
@@ -464,7 +464,7 @@ def test_gradient_accumulation_is_exact_for_seq2seq(lora, tiny_model, tmp_path, 
 def test_torch_compile_in_the_training_section_takes_the_eager_step(tiny_model, tmp_path, four_rows):
     """``training: {torch_compile: true}`` (what the README suggests on a GPU, there with mode reduce-overhead): the
     Trainer compiles the model, and the compiled step is the eager one."""
-    config = seq2seq_config(tiny_model, tmp_path, validation=False)
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False)
     config["data"]["train_file"] = str(four_rows)
     loss_eager, update_eager = one_sgd_step(config, batch_size=4, accumulation=1)
     config["training"]["torch_compile"] = True
@@ -578,7 +578,7 @@ def test_no_memory_is_pinned_without_an_accelerator(tmp_path, monkeypatch):
 def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_model, tmp_path, four_rows):
     """``training: {torch_compile_regional: true}``: the Trainer trains a model whose blocks are compiled one by one
     (the model itself is not), the step is the eager one, and the saved model is the plain one."""
-    config = seq2seq_config(tiny_model, tmp_path, validation=False)
+    config = seq2seq_config(tiny_model, tmp_path / "run", validation=False)
     config["data"]["train_file"] = str(four_rows)
     loss_eager, update_eager = one_sgd_step(config, batch_size=4, accumulation=1)
     config["training"]["torch_compile_regional"] = True
@@ -602,7 +602,7 @@ def test_regional_compilation_compiles_each_block_and_takes_the_eager_step(tiny_
 
 @pytest.mark.parametrize("task", ["sequence_classification", "token_classification"])
 def test_gradient_accumulation_is_exact_for_encoder_heads(task, tiny_model, tmp_path, four_rows):
-    config = head_config(task, tiny_model, tmp_path)
+    config = head_config(task, tiny_model, tmp_path / "run")
     config["data"].update(train_file=str(four_rows), validation_fraction=None)
     assert_same_step(config)
 
@@ -720,7 +720,8 @@ CONFIG_MISTAKES = {
         r"train_sampling_strategy must be one of \['random', 'sequential', 'group_by_length'.*got 'shortest'",
     ),
     "bad training value": (
-        lambda c, d: c["training"].update(eval_strategy="sometimes"), r"training: .*sometimes.* is not a valid",
+        lambda c, d: c["training"].update(eval_strategy="sometimes"),
+        r"training.eval_strategy must be one of \['no', 'steps', 'epoch'\], got 'sometimes'",
     ),
     "unknown model field": (
         lambda c, d: c.update(model_overrides={"dropout": 0.1}), r"\['dropout'\] are not FAT5Config fields",
@@ -745,6 +746,11 @@ CONFIG_MISTAKES = {
 }
 
 
+# the mistakes that only the model, once loaded, shows (its fields, its layers' names): the output folder is prepared
+# by then; every other mistake is found before the folder is touched (with --overwrite, before a run is removed)
+FOUND_WITH_THE_MODEL = {"bad LoRA target", "unknown model field", "invalid model field"}
+
+
 @pytest.mark.parametrize("mistake", sorted(CONFIG_MISTAKES))
 def test_config_mistakes_raise_fat5_error(mistake, tiny_model, tmp_path):
     change, message = CONFIG_MISTAKES[mistake]
@@ -753,7 +759,8 @@ def test_config_mistakes_raise_fat5_error(mistake, tiny_model, tmp_path):
     scratch.mkdir()
     change(config, scratch)
     with pytest.raises(FAT5Error, match=message):
-        prepare_finetune(load_finetune_config(config))
+        prepare_finetuning(config)
+    assert (tmp_path / "run").exists() == (mistake in FOUND_WITH_THE_MODEL)
 
 
 def test_yaml_file_mistakes_raise_fat5_error(tmp_path):

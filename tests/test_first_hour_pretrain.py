@@ -140,7 +140,7 @@ def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_t
 def test_a_folder_of_other_files_is_refused_and_overwrite_removes_only_what_a_run_wrote(tmp_path, capfd):
     """`fat5 pretrain --output-dir FOLDER` wrote into a folder of unrelated files without a word; --overwrite then
     emptied it, the user's files with the run's."""
-    from fat5.output_folder import is_run_file
+    from fat5.folder_contents import is_run_file
     from fat5.trainer.pretraining import pretrain
 
     folder = tmp_path / "papers"

@@ -108,7 +108,7 @@ def test_resumed_run_retraces_the_uninterrupted_one(straight_run, tmp_path, capf
 @pytest.mark.parametrize("damage", ["only config.json", "no trainer_state.json", "truncated weights",
                                     "truncated optimizer", "damaged trainer_state.json"])
 def test_an_incomplete_checkpoint_is_never_chosen(straight_run, tmp_path, damage):
-    from fat5.output_folder import newest_complete_checkpoint
+    from fat5.checkpoints import newest_complete_checkpoint
 
     output, _ = straight_run
     for name in ("checkpoint-4", "checkpoint-8"):

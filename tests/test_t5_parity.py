@@ -517,21 +517,21 @@ def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_
                 "training": {"per_device_train_batch_size": 4, "disable_tqdm": True, "report_to": "none",
                              "save_strategy": "no", "use_cpu": True, **training}}
 
-    expected = load_raw_datasets(load_finetune_config(config(str(DATA)))["data"])["train"]
+    expected = load_raw_datasets(load_finetune_config(config(str(DATA))).data)["train"]
     whole = datasets.Dataset.from_list(expected.to_list())
     whole.save_to_disk(tmp_path / "saved")
     datasets.DatasetDict(train=whole.select(range(20)), validation=whole.select(range(20, 30))).save_to_disk(
         tmp_path / "saved_dict"
     )
-    from_folder = load_raw_datasets(load_finetune_config(config(str(tmp_path / "saved")))["data"])
+    from_folder = load_raw_datasets(load_finetune_config(config(str(tmp_path / "saved"))).data)
     assert from_folder["train"].to_list() == expected.to_list()
     from_dict = load_raw_datasets(
-        load_finetune_config(config(str(tmp_path / "saved_dict"), str(tmp_path / "saved_dict")))["data"]
+        load_finetune_config(config(str(tmp_path / "saved_dict"), str(tmp_path / "saved_dict"))).data
     )
     assert len(from_dict["train"]) == 20 and from_dict["validation"].to_list() == whole.select(range(20, 30)).to_list()
     (tmp_path / "not_saved").mkdir()
     with pytest.raises(FAT5Error, match="not one written by datasets' save_to_disk"):
-        load_raw_datasets(load_finetune_config(config(str(tmp_path / "not_saved")))["data"])
+        load_raw_datasets(load_finetune_config(config(str(tmp_path / "not_saved"))).data)
 
     result = finetune(config(whole.select(range(16)), max_steps=2))
     assert any(entry.get("train_loss", 0) > 0 for entry in result["log_history"])

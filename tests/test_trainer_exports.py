@@ -8,7 +8,8 @@ import fat5.trainer
 
 # what the README and the docs tell users to import from fat5.trainer
 USED = {"FAT5Trainer", "FAT5TrainingArguments", "UL2DataCollator", "pretrain", "prepare_pretraining", "finetune",
-        "PretrainConfig", "prepare_finetune", "FinetuneConfig", "load_tokenizer", "train_tokenizer", "UL2Mixture",
+        "prepare_finetuning", "PretrainingJob", "FinetuningJob", "PretrainConfig", "FinetuneConfig", "load_tokenizer",
+        "train_tokenizer", "UL2Mixture",
         "load_ul2_config", "UL2PackedBatchSampler", "PlannedDataset", "PackedStreamDataset", "ShapeBuckets"}
 
 
@@ -31,3 +32,16 @@ def test_importing_the_package_pulls_in_no_trainer_or_datasets():
             "or name.count('.') > 1))")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert completed.stdout.strip() == "[]"
+
+
+def test_both_jobs_take_one_signature():
+    """`fat5 pretrain` and `fat5 finetune` have one shape: the same parameters, in the same order and kinds, for the
+    functions that run a job and those that prepare one."""
+    from inspect import signature
+
+    for pretraining, finetuning in ((fat5.trainer.pretrain, fat5.trainer.finetune),
+                                    (fat5.trainer.prepare_pretraining, fat5.trainer.prepare_finetuning)):
+        shape = [(parameter.name, parameter.kind) for parameter in signature(pretraining).parameters.values()]
+        assert shape == [(parameter.name, parameter.kind) for parameter in signature(finetuning).parameters.values()]
+        assert [name for name, _ in shape] == ["config", "output_dir", "overrides", "resume", "overwrite"]
+    assert callable(fat5.trainer.PretrainingJob.run) and callable(fat5.trainer.FinetuningJob.run)

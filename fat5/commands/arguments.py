@@ -1,7 +1,9 @@
-"""What several subcommands parse alike: the options of a command that writes a model folder, and a handler's
-keyword arguments taken from the parsed options of the same names."""
+"""What several subcommands share: the options of a command that writes a model folder, those of a training job
+(`fat5 pretrain`, `fat5 finetune`) and how a job is run from the command line, and a handler's keyword arguments
+taken from the parsed options of the same names."""
 
 import argparse
+import sys
 
 from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE
 
@@ -12,6 +14,53 @@ def add_output_options(parser: argparse.ArgumentParser, shard_help: str) -> None
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT if it exists and holds only a model folder's files (never other files)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help=shard_help)
+
+
+def add_job_options(parser: argparse.ArgumentParser, output_dir_default: str) -> None:
+    """The options both training jobs take, named as their Python functions' parameters: `--output-dir` (said to
+    default to ``output_dir_default``), `--resume`, `--overwrite` and `--set KEY=VALUE` (``overrides``)."""
+    parser.add_argument("--output-dir", default=None,
+                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
+                        f"checkpoints in DIR/checkpoint-N (default: {output_dir_default})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in the output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="remove what a run wrote in the output folder (model, checkpoints, records) and start "
+                        "over; your other files there are kept (never a folder that holds the input)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config entry (dotted key, YAML value), e.g. --set training.max_steps=100; "
+                        "repeatable")
+
+
+def run_job(job, args: argparse.Namespace, output_dir_of) -> dict | None:
+    """``job(args.config, args.output_dir, overrides=..., resume=..., overwrite=...)``'s result; None when Ctrl-C
+    stopped it, after one line saying how to continue (``output_dir_of(args)``: the folder the job writes). A full disk
+    met outside the jobs' own checkpoint and final writes (a tokenizer, a record) is said in one line as well."""
+    from ..output_folder import disk_full_error, is_disk_full, resume_hint
+
+    try:
+        return job(args.config, args.output_dir, overrides=args.overrides, resume=args.resume,
+                   overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        command = " ".join([f"fat5 {args.command}", *([args.config] if args.config else []),
+                            *(["--output-dir", args.output_dir] if args.output_dir else []),
+                            *(f"--set {override}" for override in args.overrides)])
+        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
+        # starts a line of its own, a progress bar may have been drawing on the last one
+        print(f"\nfat5 {args.command}: interrupted; {resume_hint(command, output_dir_of(args))}", file=sys.stderr,
+              flush=True)
+        return None
+    except OSError as error:
+        if not is_disk_full(error, output_dir_of(args)):
+            raise
+        raise disk_full_error(output_dir_of(args), f"writing {error.filename or 'a file'} failed") from None
+
+
+def is_main_process() -> bool:
+    """Whether this process reports a job's result: under `accelerate launch` every process returns from the job."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
 
 
 def options_of(args: argparse.Namespace, *names: str) -> dict:

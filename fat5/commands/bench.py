@@ -20,8 +20,8 @@ def benchmark_names() -> list[str]:
 
 
 # the benchmarks that run without a GPU: always (None) or with the option that shrinks them to a CPU check
-CPU_MODES = {"attention-hopper": "--interpret-check", "collator": None, "distributed": "--tiny", "finetune": "--tiny",
-             "generation": "--tiny", "generation-profile": "--tiny", "gradient-check": "--tiny", "pretrain": "--tiny"}
+CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "generation": "--tiny",
+             "generation-profile": "--tiny", "gradient-check": "--tiny", "pretrain": "--tiny"}
 # options under which a benchmark measures nothing (and writes no result, or only one merged from result files)
 NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only", "--merge")
 RESULTS_FOLDER = Path("runs") / "bench"

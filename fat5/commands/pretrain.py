@@ -7,57 +7,33 @@ import time
 from pathlib import Path
 
 from ..trainer import pretraining as pretrain_job
-from ..trainer.config_schema import apply_overrides
-from ..trainer.pretrain_config import config_reference
+from ..trainer.pretrain_config import PretrainConfig
+from .arguments import add_job_options, is_main_process, run_job
 
 
 def configure_pretrain(parser: argparse.ArgumentParser) -> None:
     parser.description = pretrain_job.__doc__
     parser.epilog = ("CONFIG's keys, with their defaults, the built-in job's (fat5/trainer/pretrain_config.py; "
-                     "examples: fat5/trainer/configs/pretrain_*.yaml):\n\n" + config_reference())
+                     "examples: fat5/trainer/configs/pretrain_*.yaml):\n\n" + PretrainConfig.reference())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="YAML config; its keys update the built-in default (listed "
                         "below); with --resume and no config, the run's saved pretrain_config.yaml")
-    parser.add_argument("--output-dir", default=pretrain_job.DEFAULT_OUTPUT_DIR,
-                        help="where the final model and tokenizer go (from_pretrained(DIR) loads them), with the "
-                        "checkpoints in DIR/checkpoint-N (default %(default)s)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in --output-dir")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="remove what a run wrote in --output-dir (model, checkpoints, records) and start over; "
-                        "your other files there are kept (never a folder that holds the input)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config entry (dotted key, YAML value), e.g. --set training.max_steps=100; "
-                        "repeatable")
+    add_job_options(parser, pretrain_job.DEFAULT_OUTPUT_DIR)
     parser.set_defaults(func=_run_pretrain)
 
 
+def _output_dir(args: argparse.Namespace) -> str:
+    return args.output_dir or pretrain_job.DEFAULT_OUTPUT_DIR
+
+
 def _run_pretrain(args: argparse.Namespace) -> int:
-    # here, not at the top: `fat5 pretrain --help` imports this module without torch, which output_folder imports
-    from ..output_folder import disk_full_error, is_disk_full, resume_hint
-
     start = time.perf_counter()
-    try:
-        summary = pretrain_job.pretrain(args.config, args.output_dir, resume=args.resume, overwrite=args.overwrite,
-                                        overrides=apply_overrides({}, args.overrides))
-    except KeyboardInterrupt:
-        command = " ".join(["fat5 pretrain", *([args.config] if args.config else []), "--output-dir", args.output_dir,
-                            *(f"--set {override}" for override in args.overrides)])
-        # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
-        # starts a line of its own, a progress bar may have been drawing on the last one
-        print(f"\nfat5 pretrain: interrupted; {resume_hint(command, args.output_dir)}", file=sys.stderr, flush=True)
+    summary = run_job(pretrain_job.pretrain, args, _output_dir)
+    if summary is None:
         return 130
-    except OSError as error:
-        # a full disk met outside the checkpoint and final writes (the tokenizer, the summary) is said as plainly
-        if not is_disk_full(error, args.output_dir):
-            raise
-        raise disk_full_error(args.output_dir, f"writing {error.filename or 'a file'} failed") from None
-    from accelerate import PartialState
-
-    # under `accelerate launch` every process returns here: one of them reports (and draws the curve, which the
-    # others would rename from under it)
-    if PartialState().is_main_process:
-        print_closing_summary(summary, Path(args.output_dir), time.perf_counter() - start)
+    # one process reports (and draws the curve, which the others would rename from under it)
+    if is_main_process():
+        print_closing_summary(summary, Path(_output_dir(args)), time.perf_counter() - start)
     return 0
 
 

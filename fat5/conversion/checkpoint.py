@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fat5.errors import FAT5Error
-from fat5.output_folder import TOKENIZER_FILES
+from fat5.folder_contents import TOKENIZER_FILES, read_config_json
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -110,16 +110,8 @@ def _download_from_hub(repo_id: str, revision: str | None) -> Path:
 
 def read_raw_config(folder: Path) -> dict:
     """config.json exactly as written: transformers 5 rewrites some T5 fields on load, so conversion reads the file."""
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{folder}: no config.json, so this is not a transformers checkpoint folder")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConversionError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_config_json(folder, f"{folder}: no config.json, so this is not a transformers checkpoint folder",
+                            ConversionError)
 
 
 def weight_files(folder: Path) -> list[Path]:

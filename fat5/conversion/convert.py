@@ -36,7 +36,8 @@ import torch
 from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE, DEFAULT_TOLERANCE
 from ..dtypes import torch_dtype
 from ..errors import FAT5Error
-from ..output_folder import REPORT_FILE, TOKENIZER_FILES, atomic_directory, check_output_folder
+from ..folder_contents import REPORT_FILE, TOKENIZER_FILES
+from ..output_folder import atomic_directory, check_output_folder
 from .checkpoint import (
     ConversionError,
     ResolvedSource,

@@ -22,7 +22,7 @@ import torch
 
 from fat5.conversion_defaults import DEFAULT_MAX_SHARD_SIZE
 from fat5.errors import FAT5Error
-from fat5.output_folder import MANIFEST_FILE, REPORT_FILE  # `push` refuses a folder that differs from its manifest
+from fat5.folder_contents import MANIFEST_FILE, REPORT_FILE  # `push` refuses a folder that differs from its manifest
 
 PACKAGE = "fat5"
 VALIDATION_TOLERANCE = 1e-5

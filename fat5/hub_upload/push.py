@@ -7,11 +7,11 @@ triton loads it with `trust_remote_code=True`, runs a forward and generates. Onl
 and `upload_folder`.
 """
 
-import json
 import sys
 from pathlib import Path
 
 from fat5.errors import FAT5Error
+from fat5.folder_contents import read_config_json
 
 DEFAULT_COMMIT_MESSAGE = "Upload FAT5 model with `fat5 push`"
 IGNORE_PATTERNS = ["**/__pycache__/**", "*.pyc", ".*"]
@@ -38,21 +38,16 @@ def check_folder_files(folder: Path) -> dict:
     weights in safetensors. Returns the config; raises `PushError` naming what is wrong."""
     if not folder.is_dir():
         raise PushError(f"{folder}: no such folder")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise PushError(f"{folder} has no config.json: bundle a model first (`fat5 bundle MODEL_DIR OUT`)")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PushError(f"{config_path} is not valid JSON: {error}") from None
+    config = read_config_json(folder, f"{folder} has no config.json: bundle a model first (`fat5 bundle MODEL_DIR "
+                              "OUT`)", PushError)
     if config.get("model_type") != "fat5":
         raise PushError(f"{folder} holds a {config.get('model_type')!r} model, not a FAT5 bundle")
     auto_map = config.get("auto_map") or {}
     for required in ("AutoConfig", "AutoModel"):
         if required not in auto_map:
             raise PushError(
-                f"{config_path} has no auto_map entry for {required}: it would not load with trust_remote_code=True "
-                "(bundle it with `fat5 bundle`)"
+                f"{folder / 'config.json'} has no auto_map entry for {required}: it would not load with "
+                "trust_remote_code=True (bundle it with `fat5 bundle`)"
             )
     missing_code = sorted({ref.split(".")[0] + ".py" for ref in auto_map.values()} - {p.name for p in folder.iterdir()})
     if missing_code:

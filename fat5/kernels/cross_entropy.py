@@ -13,7 +13,7 @@ Eager calls launch the kernels from an autograd.Function; under ``torch.compile`
 
 import torch
 
-from .dispatch import op_namespace, use_triton
+from .dispatch import as_rows, op_namespace, use_triton
 
 # `from .module import name` (not `from . import module`): transformers only ships the remote-code files it finds
 # imported that way.
@@ -96,11 +96,6 @@ def _check_inputs(logits, labels, ignore_index, label_smoothing, z_loss, reducti
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _as_rows(logits: torch.Tensor) -> torch.Tensor:
-    rows = logits.reshape(-1, logits.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 @torch.library.custom_op(f"{_NAMESPACE}::cross_entropy_forward", mutates_args=())
 def _cross_entropy_forward(
     logits: torch.Tensor,
@@ -112,7 +107,7 @@ def _cross_entropy_forward(
     compute_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward: (ce, z-loss term, per-row logsumexp, gradient for unit upstream gradients or an empty tensor)."""
-    rows = _as_rows(logits)
+    rows = as_rows(logits)
     grad_logits = torch.empty_like(rows) if compute_grad else None
     losses, log_sum_exp = _triton_forward(
         rows, labels.reshape(-1), normaliser, grad_logits, ignore_index, label_smoothing, z_loss
@@ -213,7 +208,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, normaliser, ignore_index, label_smoothing, z_loss, inplace):
-        rows = _as_rows(logits)
+        rows = as_rows(logits)
         inplace = inplace and logits.is_contiguous()
         grad_rows = rows if inplace else torch.empty_like(rows)
         flat_labels = labels.reshape(-1)
@@ -283,5 +278,5 @@ def cross_entropy(
         return ce, z
     if compute_grad:
         return _CrossEntropyFunction.apply(logits, labels, normaliser, *options, inplace_backward)
-    losses, _ = _triton_forward(_as_rows(logits), labels.reshape(-1), normaliser, None, *options)
+    losses, _ = _triton_forward(as_rows(logits), labels.reshape(-1), normaliser, None, *options)
     return losses.unbind()

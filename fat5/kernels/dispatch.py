@@ -1,4 +1,4 @@
-"""How a fused op picks its implementation, and where its custom ops are registered.
+"""How a fused op picks its implementation, where its custom ops are registered, and the row layout its kernels read.
 
 Every op takes ``backend``: ``"reference"`` (pure PyTorch, any device), ``"triton"`` (the fused kernels;
 on CPU tensors only under ``TRITON_INTERPRET=1``, which is how the CPU test suite runs them) or ``"auto"``
@@ -63,6 +63,13 @@ def use_triton(backend: str, tensor: torch.Tensor) -> bool:
             )
         return True
     return tensor.is_cuda and triton_available()
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as (rows, last dimension) with unit stride along a row, as the row kernels read it; copied
+    only when no such view exists."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def op_namespace(module_name: str) -> str:

@@ -12,7 +12,7 @@ The Triton kernels (``rms_norm_triton.py``) run from an autograd.Function in eag
 
 import torch
 
-from .dispatch import op_namespace, use_triton
+from .dispatch import as_rows, op_namespace, use_triton
 
 # `from .module import name` (not `from . import module`): transformers only ships the remote-code files it finds
 # imported that way.
@@ -67,18 +67,12 @@ def _check_inputs(hidden_states: torch.Tensor, weight: torch.Tensor, output_dtyp
         raise ValueError(f"hidden_states is on {hidden_states.device} but weight on {weight.device}")
 
 
-def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """View as (rows, width) with unit stride along the width, copying only when that is impossible."""
-    rows = tensor.reshape(-1, tensor.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 @torch.library.custom_op(f"{_NAMESPACE}::rms_norm_forward", mutates_args=())
 def _rms_norm_forward(
     hidden_states: torch.Tensor, weight: torch.Tensor, eps: float, output_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward: returns the normalised output and the fp32 inverse RMS of each row (kept for backward)."""
-    rows = _as_rows(hidden_states)
+    rows = as_rows(hidden_states)
     output = torch.empty(rows.shape, dtype=output_dtype, device=rows.device)
     inverse_rms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
     _triton_forward(rows, weight, output, inverse_rms, eps)
@@ -97,8 +91,8 @@ def _rms_norm_backward(
     grad_output: torch.Tensor, hidden_states: torch.Tensor, weight: torch.Tensor, inverse_rms: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton backward: the input gradient, and the weight gradient reduced in fp32 per program then summed."""
-    rows = _as_rows(hidden_states)
-    grad_rows = _as_rows(grad_output)
+    rows = as_rows(hidden_states)
+    grad_rows = as_rows(grad_output)
     grad_input = torch.empty(rows.shape, dtype=hidden_states.dtype, device=rows.device)
     grad_weight = _triton_backward(grad_rows, rows, weight, inverse_rms, grad_input)
     return grad_input.view(hidden_states.shape), grad_weight
@@ -134,7 +128,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, weight, eps, output_dtype):
-        rows = _as_rows(hidden_states)
+        rows = as_rows(hidden_states)
         output = torch.empty(rows.shape, dtype=output_dtype, device=rows.device)
         inverse_rms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
         _triton_forward(rows, weight, output, inverse_rms, eps)
@@ -145,7 +139,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         rows, weight, inverse_rms = ctx.saved_tensors
-        grad_rows = _as_rows(grad_output)
+        grad_rows = as_rows(grad_output)
         grad_input = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         grad_weight = _triton_backward(grad_rows, rows, weight, inverse_rms, grad_input)
         return grad_input.view(ctx.input_shape), grad_weight, None, None

@@ -2,8 +2,10 @@
 (denoisers, packing, the collator, a T5-style tokenizer and text corpora).
 
 The jobs are the functions ``pretrain`` and ``finetune`` (in the modules ``pretraining`` and ``finetuning``, named
-apart so that importing a module never replaces the package's function of that name); their configs are
-``PretrainConfig`` and ``FinetuneConfig``.
+apart so that importing a module never replaces the package's function of that name), with one signature,
+``(config, output_dir, *, overrides, resume, overwrite)``; ``prepare_pretraining`` and ``prepare_finetuning`` build a
+job (`PretrainingJob`, `FinetuningJob`) whose ``run()`` trains; their configs are ``PretrainConfig`` and
+``FinetuneConfig``, read and checked the same way (``config_schema``); the steps both take are in ``jobs``.
 
 Names are imported lazily, from the one table below, so ``import fat5.trainer`` stays cheap and pulls in the Trainer,
 `datasets` or `tokenizers` only when a name that needs them is used.
@@ -15,7 +17,7 @@ _EXPORTS = {
     "trainer": ("FAT5Trainer", "FAT5TrainingArguments"),
     "pretraining": ("pretrain", "prepare_pretraining", "PretrainingJob"),
     "pretrain_config": ("PretrainConfig", "load_pretrain_config"),
-    "finetuning": ("finetune", "prepare_finetune", "run_finetune"),
+    "finetuning": ("finetune", "prepare_finetuning", "FinetuningJob"),
     "finetune_config": ("FinetuneConfig", "load_finetune_config"),
     "collator": ("UL2DataCollator",),
     "tokenizer": ("train_tokenizer", "load_tokenizer", "sentinel_token_ids", "prefix_token_ids",

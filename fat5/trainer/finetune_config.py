@@ -1,36 +1,32 @@
 """The `fat5 finetune` configuration: one dataclass per section, whose fields carry each key's default, meaning and
-check, so that the keys, the reference `fat5 finetune --help` prints (`config_reference`) and the errors for bad
-values come from one place.
+check (`fat5 finetune --help` lists them, `FinetuneConfig.reference`), on the same machinery as `fat5 pretrain`'s
+(`config_schema`).
 
-A configuration is a YAML file (or a dict) with the keys of `FinetuneConfig`; its ``data`` section holds those of
-`DataSection`, its ``lora`` section those of `LoraSection`. Relative paths are taken from the current directory.
+A configuration is a YAML file (or a mapping) with the keys of `FinetuneConfig`; its ``data`` section holds those of
+`FinetuneDataSection`, its ``lora`` section those of `LoraSection`. Relative paths are taken from the current
+directory. An unknown key anywhere is an error.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..dtypes import canonical_dtype
 from ..errors import FAT5Error
 from .config_schema import (
     POSITIVE,
     POSITIVE_OR_NULL,
+    JobConfig,
     about,
-    apply_overrides,
     boolean,
     checked,
     mapping_of,
     number,
     one_of,
     optional_path,
-    read_yaml,
-    reference_lines,
-    section,
-    shallow_dict,
     string,
+    training_section,
 )
 
 TASKS = ("seq2seq", "sequence_classification", "token_classification")
@@ -48,7 +44,7 @@ DEFAULT_COLUMNS = {
 def _required(message: str):
     def check(value, name):
         if not value or not isinstance(value, (str, os.PathLike)):
-            raise FAT5Error(f"finetune config: {message}")
+            raise FAT5Error(message)
         return str(value)
 
     return check
@@ -66,19 +62,13 @@ def _dtype(value, name):
     return canonical_dtype(value, what=name, allow_auto=True)
 
 
-def _training(value, name):
-    value = mapping_of("FAT5TrainingArguments fields")(value, name)
-    if "output_dir" in value:
-        raise FAT5Error("finetune config: set output_dir at the top level, not in training")
-    return value
-
-
 # ----------------------------------------------------------------------------------------------- sections
 
 
 @dataclass
-class DataSection:
-    """The ``data`` section: where the examples are, which columns hold them and how they are cut."""
+class FinetuneDataSection:
+    """The ``data`` section of `fat5 finetune`: where the examples are, which columns hold them and how they are
+    cut."""
 
     dataset_name: str | None = field(
         default=None, metadata=about("a Hub dataset (+ dataset_config_name), instead of train_file")
@@ -129,15 +119,15 @@ class DataSection:
         default=None, metadata=about("processes that tokenize", POSITIVE_OR_NULL)
     )
 
-    def complete(self, task: str) -> DataSection:
+    def complete(self, task: str) -> FinetuneDataSection:
         """Fill the task's default columns and check that the data comes from exactly one kind of source."""
         default_text, default_target = DEFAULT_COLUMNS[task]
         self.text_column = self.text_column or default_text
         self.target_column = self.target_column or default_target
         if self.dataset_name is None and self.train_file is None:
-            raise FAT5Error("finetune config: data needs train_file (json/jsonl/csv/tsv/parquet) or dataset_name")
+            raise FAT5Error("data needs train_file (json/jsonl/csv/tsv/parquet) or dataset_name")
         if self.dataset_name is not None and (self.train_file is not None or self.validation_file is not None):
-            raise FAT5Error("finetune config: data takes either dataset_name or train_file/validation_file, not both")
+            raise FAT5Error("data takes either dataset_name or train_file/validation_file, not both")
         return self
 
 
@@ -176,8 +166,10 @@ class LoraSection:
 
 
 @dataclass
-class FinetuneConfig:
-    """A whole `fat5 finetune` job; `load_finetune_config` reads one and returns it as a dict."""
+class FinetuneConfig(JobConfig):
+    """A whole `fat5 finetune` job; `FinetuneConfig.load` (`load_finetune_config`) reads and checks one."""
+
+    WHAT = "finetune config"
 
     task: str = field(
         default="seq2seq", metadata=about("seq2seq, sequence_classification or token_classification", one_of(TASKS))
@@ -209,12 +201,14 @@ class FinetuneConfig:
     output_dir: str | None = field(
         default=None,
         metadata=about(
-            "required (or --output-dir): where the model, checkpoints and records go",
-            _required("`output_dir` is missing (or pass output_dir / --output-dir)"),
+            "where the model, checkpoints and records go; --output-dir (output_dir= in Python) replaces it, and one "
+            "of the two is required",
+            optional_path,
         ),
     )
-    data: DataSection = field(default_factory=DataSection, metadata=about("where the examples are"))
-    lora: LoraSection | None = field(default=None, metadata=about("absent or null: full finetuning"))
+    data: FinetuneDataSection = field(default_factory=FinetuneDataSection, metadata=about("where the examples are"))
+    lora: LoraSection | None = field(default=None, metadata=about("absent or null: full finetuning",
+                                                                 section=LoraSection))
     training: dict = field(
         default_factory=dict,
         metadata=about(
@@ -222,7 +216,7 @@ class FinetuneConfig:
             "output_dir; the job's defaults: train_sampling_strategy: group_by_length, report_to: none, and for "
             "seq2seq with evaluation data predict_with_generate: true, generation_max_length: "
             "data.max_target_length",
-            _training,
+            training_section({"output_dir": "the output folder is output_dir, at the top level, or --output-dir"}),
         ),
     )
     bundle: bool = field(
@@ -233,42 +227,14 @@ class FinetuneConfig:
     @classmethod
     def from_mapping(cls, raw: dict) -> FinetuneConfig:
         """Check every key of ``raw`` (the YAML's mapping) and fill in the defaults; mistakes raise FAT5Error."""
-        config = checked(cls, raw, "finetune config", "finetune config: ", skip=("lora",))
-        config.data = checked(DataSection, section(raw, "data", "finetune config"), "finetune config: data", "data.")
+        config = checked(cls, raw, cls.WHAT)
         config.data.complete(config.task)
-        if raw.get("lora") is not None:
-            lora = section(raw, "lora", "finetune config")
-            config.lora = checked(LoraSection, lora, "finetune config: lora", "lora.")
-            if config.bundle and not config.lora.merge:
-                raise FAT5Error("bundle: true needs a full model: with LoRA, keep lora.merge: true")
+        if config.bundle and config.lora is not None and not config.lora.merge:
+            raise FAT5Error("bundle: true needs a full model: with LoRA, keep lora.merge: true")
+        if config.task != "seq2seq" and config.training.get("predict_with_generate"):
+            raise FAT5Error(f"training.predict_with_generate needs task seq2seq, not {config.task}")
         return config
 
-    def to_dict(self) -> dict:
-        """The configuration as nested plain dicts, in the keys' order (as finetune_config.yaml records it)."""
-        return shallow_dict(self)
 
-
-# ----------------------------------------------------------------------------------------------- reading
-
-
-def load_finetune_config(config_path_or_dict, output_dir=None, overrides=()) -> dict:
-    """Read, check and complete a finetuning configuration (a YAML path or a dict); mistakes raise `FAT5Error`.
-
-    Returns a new dict with every section present and every default filled in (`FinetuneConfig.to_dict`);
-    ``output_dir`` and ``overrides`` (``KEY=VALUE`` strings, see `apply_overrides`) take precedence over the file.
-    """
-    if isinstance(config_path_or_dict, dict):
-        raw = copy.deepcopy(config_path_or_dict)
-    elif isinstance(config_path_or_dict, (str, os.PathLike)):
-        raw = read_yaml(Path(config_path_or_dict).expanduser(), "finetune config")
-    else:
-        raise FAT5Error(f"finetune config must be a YAML path or a dict, got {type(config_path_or_dict).__name__}")
-    raw = apply_overrides(raw, overrides)
-    if output_dir is not None:
-        raw["output_dir"] = str(output_dir)
-    return FinetuneConfig.from_mapping(raw).to_dict()
-
-
-def config_reference() -> str:
-    """Every key of a finetuning configuration with its default and meaning, as commented YAML."""
-    return "\n".join(reference_lines(FinetuneConfig, sections={"lora": LoraSection}))
+# the job's name for `FinetuneConfig.load`, as fat5.trainer exports it
+load_finetune_config = FinetuneConfig.load

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import FAT5Error
 from .data import cache_file_outside_user_data, map_processes
+from .finetune_config import FinetuneDataSection
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
@@ -64,23 +65,23 @@ def _dataset_given_or_saved(value, name: str, split: str):
     return loaded
 
 
-def load_raw_datasets(data: dict):
+def load_raw_datasets(data: FinetuneDataSection):
     """``DatasetDict`` with ``train`` and, when there is evaluation data, ``validation``."""
     import datasets
 
     try:
-        raw = _load_hub_dataset(data) if data["dataset_name"] is not None else _load_local_data(data)
+        raw = _load_hub_dataset(data) if data.dataset_name is not None else _load_local_data(data)
     except FAT5Error:
         raise
     except Exception as error:  # noqa: BLE001  (datasets raises many kinds: file format, network, missing dataset)
-        source = data["dataset_name"] or data["train_file"]
+        source = data.dataset_name or data.train_file
         # datasets wraps the parser's error (a malformed line, with its row) in a generic one
         cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
         raise FAT5Error(f"data: cannot load {source}: {type(error).__name__}: {error}{cause}") from None
     if len(raw["train"]) == 0:
         raise FAT5Error("data: the training data is empty")
-    if "validation" not in raw and data["validation_fraction"] is not None:
-        fraction, train = data["validation_fraction"], raw["train"]
+    if "validation" not in raw and data.validation_fraction is not None:
+        fraction, train = data.validation_fraction, raw["train"]
         try:
             split = train.train_test_split(
                 test_size=fraction, seed=0,
@@ -93,7 +94,7 @@ def load_raw_datasets(data: dict):
                             "validation_fraction") from None
         raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
     for key, dataset in raw.items():
-        missing = [c for c in (data["text_column"], data["target_column"]) if c not in dataset.column_names]
+        missing = [c for c in (data.text_column, data.target_column) if c not in dataset.column_names]
         if missing:
             raise FAT5Error(
                 f"data: the {key} data has no column(s) {missing}; its columns are {dataset.column_names} "
@@ -102,27 +103,28 @@ def load_raw_datasets(data: dict):
     return raw
 
 
-def _load_hub_dataset(data: dict):
+def _load_hub_dataset(data: FinetuneDataSection):
     import datasets
 
-    loaded = datasets.load_dataset(data["dataset_name"], data["dataset_config_name"])
-    splits = {"train": data["train_split"], "validation": data["validation_split"]}
+    loaded = datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+    splits = {"train": data.train_split, "validation": data.validation_split}
     if splits["train"] not in loaded:
-        raise FAT5Error(f"data: {data['dataset_name']} has no split {splits['train']!r}: {sorted(loaded)}")
+        raise FAT5Error(f"data: {data.dataset_name} has no split {splits['train']!r}: {sorted(loaded)}")
     return datasets.DatasetDict({key: loaded[split] for key, split in splits.items() if split in loaded})
 
 
-def _load_local_data(data: dict):
+def _load_local_data(data: FinetuneDataSection):
     """``train_file`` / ``validation_file``: datasets given or saved with ``save_to_disk``, or data files."""
     import datasets
 
     splits, data_files = {}, {}
-    for split, name in (("train", "train_file"), ("validation", "validation_file")):
-        if data[name] is None:
+    for split, name, given in (("train", "train_file", data.train_file),
+                               ("validation", "validation_file", data.validation_file)):
+        if given is None:
             continue
-        dataset = _dataset_given_or_saved(data[name], name, split)
+        dataset = _dataset_given_or_saved(given, name, split)
         if dataset is None:
-            data_files[split] = _data_files(data[name], name)
+            data_files[split] = _data_files(given, name)
         else:
             splits[split] = dataset
     if data_files:
@@ -131,9 +133,9 @@ def _load_local_data(data: dict):
     return datasets.DatasetDict({split: splits[split] for split in ("train", "validation") if split in splits})
 
 
-def limit_samples(raw, data: dict):
+def limit_samples(raw, data: FinetuneDataSection):
     """The first ``max_train_samples`` / ``max_eval_samples`` rows of the splits (label sets are read before)."""
-    for key, limit in (("train", data["max_train_samples"]), ("validation", data["max_eval_samples"])):
+    for key, limit in (("train", data.max_train_samples), ("validation", data.max_eval_samples)):
         if key in raw and limit is not None:
             raw[key] = raw[key].select(range(min(limit, len(raw[key]))))
     return raw
@@ -175,9 +177,9 @@ def _check_text_column(dataset, column: str, words: bool) -> None:
         raise FAT5Error(f"data: the column {column!r} must hold strings, got {example!r}")
 
 
-def tokenize_datasets(raw, tokenizer, task: str, data: dict, label_ids: dict | None):
+def tokenize_datasets(raw, tokenizer, task: str, data: FinetuneDataSection, label_ids: dict | None):
     """Tokenize every split for ``task``; rows with a missing text or target are dropped."""
-    text_column, target_column = data["text_column"], data["target_column"]
+    text_column, target_column = data.text_column, data.target_column
     for dataset in raw.values():
         _check_text_column(dataset, text_column, words=task == "token_classification")
     if task == "seq2seq":
@@ -197,7 +199,7 @@ def tokenize_datasets(raw, tokenizer, task: str, data: dict, label_ids: dict | N
         lambda batch: preprocess(batch, tokenizer, data, label_ids),
         batched=True,
         remove_columns=raw["train"].column_names,
-        num_proc=map_processes(data["preprocessing_num_workers"]),
+        num_proc=map_processes(data.preprocessing_num_workers),
         desc="tokenizing",
         cache_file_names=cache_files,
     )
@@ -207,33 +209,33 @@ def _has_text_and_target(text, target) -> bool:
     return text is not None and target is not None and len(text) > 0
 
 
-def _encode_sources(batch, tokenizer, data: dict):
+def _encode_sources(batch, tokenizer, data: FinetuneDataSection):
     return tokenizer(
-        [data["source_prefix"] + text for text in batch[data["text_column"]]],
-        max_length=data["max_source_length"],
+        [data.source_prefix + text for text in batch[data.text_column]],
+        max_length=data.max_source_length,
         truncation=True,
     )
 
 
-def _seq2seq_examples(batch, tokenizer, data: dict, label_ids):
+def _seq2seq_examples(batch, tokenizer, data: FinetuneDataSection, label_ids):
     encoded = _encode_sources(batch, tokenizer, data)
     encoded["labels"] = tokenizer(
-        text_target=batch[data["target_column"]], max_length=data["max_target_length"], truncation=True
+        text_target=batch[data.target_column], max_length=data.max_target_length, truncation=True
     )["input_ids"]
     return encoded
 
 
-def _sequence_classification_examples(batch, tokenizer, data: dict, label_ids: dict | None):
+def _sequence_classification_examples(batch, tokenizer, data: FinetuneDataSection, label_ids: dict | None):
     encoded = _encode_sources(batch, tokenizer, data)
-    labels = batch[data["target_column"]]
+    labels = batch[data.target_column]
     encoded["labels"] = [label_ids[label] for label in labels] if label_ids else [float(v) for v in labels]
     return encoded
 
 
-def _token_classification_examples(batch, tokenizer, data: dict, label_ids: dict):
-    text_column, target_column = data["text_column"], data["target_column"]
+def _token_classification_examples(batch, tokenizer, data: FinetuneDataSection, label_ids: dict):
+    text_column, target_column = data.text_column, data.target_column
     encoded = tokenizer(
-        batch[text_column], is_split_into_words=True, max_length=data["max_source_length"], truncation=True
+        batch[text_column], is_split_into_words=True, max_length=data.max_source_length, truncation=True
     )
     all_labels = []
     for row, (words, tags) in enumerate(zip(batch[text_column], batch[target_column])):

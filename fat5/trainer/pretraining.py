@@ -21,8 +21,6 @@ removed, the job saying it starts over.
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +29,18 @@ import yaml
 
 from ..errors import FAT5Error
 from .config_schema import read_yaml
+from .jobs import (
+    build_trainer,
+    check_output_dir,
+    prepare_output_folder,
+    save_final_model,
+    train_and_evaluate,
+    training_arguments,
+)
 from .pretrain_config import (
     VOCAB_MULTIPLE,
-    DataSection,
     PretrainConfig,
+    PretrainDataSection,
     PretrainingPath,
     TokenizerSection,
     cache_folder,
@@ -61,7 +67,7 @@ def _texts_for_tokenizer(dataset, limit: int | None, text_column: str):
         yield record[text_column]
 
 
-def load_corpus(data: DataSection, seed: int):
+def load_corpus(data: PretrainDataSection, seed: int):
     """(train, eval) text datasets with a ``text`` column; eval is None when nothing is held out."""
     from .data import load_shakespeare, load_text_dataset
 
@@ -146,19 +152,35 @@ class PretrainingJob:
     path: PretrainingPath
 
     def run(self) -> dict:
-        """Train (from the checkpoint when resuming), evaluate, save; returns the summary."""
-        return _train_evaluate_save(self.trainer, self.tokenizer, self.checkpoint, self.output_dir)
+        """Train (from the checkpoint when resuming), evaluate, save the model and tokenizer to the output folder
+        itself and write ``pretrain_summary.json``; returns the summary."""
+        from transformers import AutoModelForSeq2SeqLM
+
+        trainer = self.trainer
+        # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
+        resumed_from = _announce_resumed_run(trainer, self.checkpoint)
+        train_output, metrics = train_and_evaluate(trainer, self.checkpoint)
+        # what is written is loaded back before it replaces anything: what users will load
+        save_final_model(trainer, self.output_dir, verify=AutoModelForSeq2SeqLM.from_pretrained)
+        summary = _summary(trainer, train_output, metrics or {}, resumed_from, self.output_dir)
+        if trainer.is_world_process_zero():
+            with open(self.output_dir / "pretrain_summary.json", "w") as handle:
+                json.dump(summary, handle, indent=2)
+        # no process returns before the model and summary are in place
+        trainer.accelerator.wait_for_everyone()
+        return summary
 
 
-def prepare_pretraining(config=None, output_dir=None, resume: bool = False, overwrite: bool = False,
-                        overrides: dict | None = None) -> PretrainingJob:
-    """Every step of :func:`pretrain` before training: the settings read (``overrides``, a mapping of sections,
-    updates ``config`` key by key; with ``resume``, the run's saved config when ``config`` is None), what the job
-    needs checked (`check_job_needs`), the path chosen and said, the output folder prepared, the corpus, tokenizer,
-    model, collator, batches and trainer built."""
+def prepare_pretraining(config=None, output_dir=None, *, overrides=None, resume: bool = False,
+                        overwrite: bool = False) -> PretrainingJob:
+    """Every step of :func:`pretrain` before training: the settings read (``config`` updated by ``overrides``; with
+    ``resume``, the run's saved config when ``config`` is None), what the job needs checked (`check_job_needs`), the
+    path chosen and said, the output folder prepared, the corpus, tokenizer, model, collator, batches and trainer
+    built."""
     output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
     settings = _settings(config, overrides, output_dir, resume)
-    given_tokenizer = check_job_needs(settings, output_dir)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
+    given_tokenizer = check_job_needs(settings)
     from accelerate import PartialState
     from transformers import set_seed
 
@@ -168,8 +190,9 @@ def prepare_pretraining(config=None, output_dir=None, resume: bool = False, over
     _prepare_compiler(settings, path, cuda)
     if state.is_main_process:
         print(path.describe(), flush=True)
-    output_dir = _prepare_output_folder(settings, config, output_dir, overwrite=overwrite, resume=resume, state=state)
-    checkpoint = _resume_checkpoint(output_dir, resume, state)
+    inputs = [settings.tokenizer.path, settings.data.path, *([settings.ul2] if _is_path(settings.ul2) else [])]
+    output_dir, checkpoint = prepare_output_folder(output_dir, config, inputs, overwrite=overwrite, resume=resume,
+                                                   resume_keeps_config=True)
     set_seed(settings.seed)
     train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state,
                                                                 given_tokenizer)
@@ -185,20 +208,19 @@ def prepare_pretraining(config=None, output_dir=None, resume: bool = False, over
     return PretrainingJob(settings, output_dir, checkpoint, tokenizer, model, collator, batches, trainer, path)
 
 
-def pretrain(config=None, output_dir=None, resume: bool = False, overwrite: bool = False,
-             overrides: dict | None = None) -> dict:
+def pretrain(config=None, output_dir=None, *, overrides=None, resume: bool = False, overwrite: bool = False) -> dict:
     """Run the whole pretraining job; returns a summary (losses, steps, where the model is).
 
     ``config`` is a YAML path, a mapping, or None for the built-in default (with ``resume``: the run's saved
-    config); ``overrides`` a mapping of sections applied over it. The final model and tokenizer are written to
-    ``output_dir`` itself; a folder that holds a model, checkpoints or files no run wrote is refused unless
-    ``resume`` (continue from its newest complete checkpoint, or start over when there is none) or ``overwrite``
-    (remove what a run wrote there, keep the rest) is set.
+    config); ``overrides`` a mapping of sections or ``KEY=VALUE`` strings applied over it, key by key. The final
+    model and tokenizer are written to ``output_dir`` itself; a folder that holds a model, checkpoints or files no run
+    wrote is refused unless ``resume`` (continue from its newest complete checkpoint, or start over when there is
+    none) or ``overwrite`` (remove what a run wrote there, keep the rest) is set.
     """
-    return prepare_pretraining(config, output_dir, resume=resume, overwrite=overwrite, overrides=overrides).run()
+    return prepare_pretraining(config, output_dir, overrides=overrides, resume=resume, overwrite=overwrite).run()
 
 
-def _settings(config, overrides: dict | None, output_dir: Path, resume: bool) -> PretrainConfig:
+def _settings(config, overrides, output_dir: Path, resume: bool) -> PretrainConfig:
     """The checked config; on ``resume``, the one the run saved (``config`` None) or ``config``, which must not
     differ from it."""
     saved_file = output_dir / SAVED_CONFIG
@@ -222,22 +244,21 @@ NEEDED_PACKAGES = {"datasets": "reads and tokenizes the corpus", "tokenizers": "
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 
-def check_job_needs(settings: PretrainConfig, output_dir: Path):
+def check_job_needs(settings: PretrainConfig):
     """What the job will need, checked before any work (a folder emptied, a tokenizer trained, a step taken): the
-    packages it imports, the corpus, an output folder it can write, a given tokenizer's tokens. A missing one raises
-    FAT5Error naming the fix; returns the given tokenizer, loaded (None: the job trains one)."""
+    packages it imports, the corpus, a given tokenizer's tokens (the output folder: `check_output_dir`). A missing one
+    raises FAT5Error naming the fix; returns the given tokenizer, loaded (None: the job trains one)."""
     for package, role in NEEDED_PACKAGES.items():
         if importlib.util.find_spec(package) is None:
             raise FAT5Error(f"the `{package}` package, which {role}, is not installed: pip install {package}")
     _check_corpus(settings.data)
-    _check_writable(output_dir)
     if settings.tokenizer.path:
         return _checked_tokenizer(settings)
     check_cache_dir(settings.tokenizer.cache_dir, "tokenizer.cache_dir", "null to train the tokenizer every time")
     return None
 
 
-def _check_corpus(data: DataSection) -> None:
+def _check_corpus(data: PretrainDataSection) -> None:
     """The built-in corpus is installed; the local files the config names exist and can be read."""
     if data.corpus == "shakespeare":
         from .data import shakespeare_dir
@@ -260,22 +281,6 @@ def _check_corpus(data: DataSection) -> None:
                             f"({', '.join(DATA_FILE_SUFFIXES)}), a save_to_disk folder or a Hub dataset's name")
         if not os.access(found, os.R_OK):
             raise FAT5Error(f"the corpus {name} cannot be read by this user: give one you can read")
-
-
-def _check_writable(output_dir: Path) -> None:
-    """The output folder, or the folder it will be made in, takes a new file."""
-    output_dir = output_dir.absolute()
-    folder = output_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise FAT5Error(f"the output folder {output_dir} cannot be made: {folder} is a file; choose another folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fat5-write-test-"):
-            pass
-    except OSError as error:
-        raise FAT5Error(f"the output folder {output_dir}: cannot write in {folder} ({error.strerror or error}); "
-                        "choose a folder you can write to") from None
 
 
 def _checked_tokenizer(settings: PretrainConfig):
@@ -373,34 +378,12 @@ def write_saved_config(settings: PretrainConfig, path: PretrainingPath, batches:
     _write_atomically(output_dir / SAVED_CONFIG, yaml.safe_dump(document, sort_keys=False).encode())
 
 
-def _text_column(data: DataSection) -> str:
+def _text_column(data: PretrainDataSection) -> str:
     return "text" if data.corpus == "shakespeare" else data.text_column
 
 
-def _prepare_output_folder(settings: PretrainConfig, config, output_dir, overwrite: bool, resume: bool,
-                           state) -> Path:
-    """Refuse, resume or empty the output folder as asked; never touching what the job reads."""
-    from ..output_folder import prepare_run_folder
-
-    inputs = [settings.tokenizer.path, settings.data.path]
-    if isinstance(settings.ul2, (str, os.PathLike)):
-        inputs.append(settings.ul2)
-    if isinstance(config, (str, os.PathLike)):
-        inputs.append(config)
-    output_dir = prepare_run_folder(output_dir, overwrite=overwrite, resume=resume,
-                                    inputs=[path for path in inputs if path and Path(path).exists()],
-                                    main_process=state.is_main_process, resume_keeps_config=True)
-    state.wait_for_everyone()
-    return output_dir
-
-
-def _resume_checkpoint(output_dir: Path, resume: bool, state) -> Path | None:
-    """With ``resume``, the newest complete checkpoint to continue from; the output folder exists afterwards."""
-    from ..output_folder import find_resume_checkpoint
-
-    checkpoint = find_resume_checkpoint(output_dir, announce=state.is_main_process) if resume else None
-    output_dir.mkdir(parents=True, exist_ok=True)
-    return checkpoint
+def _is_path(value) -> bool:
+    return isinstance(value, (str, os.PathLike))
 
 
 def _corpus_and_tokenizer(settings: PretrainConfig, output_dir: Path, checkpoint: Path | None, state, given=None):
@@ -487,54 +470,31 @@ def _packed_batches(settings: PretrainConfig, path: PretrainingPath, train_texts
 
 def _build_trainer(settings: PretrainConfig, path: PretrainingPath, output_dir: Path, model, tokenizer, collator,
                    batches: PackedBatches):
-    from .trainer import FAT5Trainer, FAT5TrainingArguments
-
-    try:
-        arguments = FAT5TrainingArguments(
-            output_dir=str(output_dir),
-            seed=settings.seed,
-            remove_unused_columns=False,
-            **settings.training,
-            **path.training_arguments(),
-        )
-    except (TypeError, ValueError) as error:
-        raise FAT5Error(f"invalid training section: {error}") from None
-    if batches.evaluation is None and arguments.eval_strategy != "no":
-        arguments.eval_strategy = "no"
-    return FAT5Trainer(
-        model=model,
-        args=arguments,
-        train_dataset=batches.train,
-        eval_dataset=batches.evaluation,
-        data_collator=collator,
-        processing_class=tokenizer,
-        train_batch_sampler=batches.train_sampler,
-        eval_batch_sampler=batches.eval_sampler,
-    )
+    fixed = {"seed": settings.seed, "remove_unused_columns": False, **path.training_arguments()}
+    arguments = training_arguments(output_dir, settings.training, fixed=fixed,
+                                   evaluates=batches.evaluation is not None)
+    return build_trainer(arguments, model, tokenizer, collator, batches.train, batches.evaluation,
+                         train_batch_sampler=batches.train_sampler, eval_batch_sampler=batches.eval_sampler)
 
 
-def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir: Path) -> dict:
-    """Train (from ``checkpoint`` when resuming), evaluate, save the model and tokenizer to ``output_dir`` itself
-    and write ``pretrain_summary.json``; returns the summary."""
-    from transformers import AutoModelForSeq2SeqLM
+def _announce_resumed_run(trainer, checkpoint: Path | None) -> int:
+    """The step a resumed run starts from (0 for a fresh one), saying so when its checkpoint reached max_steps:
+    --resume runs the config the run saved (see _settings), so the checkpoint's max_steps is this run's."""
+    from ..checkpoints import checkpoint_steps, reached_max_steps
 
-    from ..output_folder import checkpoint_steps, reached_max_steps
-    from .trainer import require_full_state_dict
-
-    require_full_state_dict(trainer)
-    # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
     resumed_from, max_steps = checkpoint_steps(checkpoint) if checkpoint else (0, 0)
-    # --resume runs the config the run saved (see _settings): the checkpoint's max_steps is this run's
     if checkpoint and reached_max_steps(checkpoint) and trainer.is_world_process_zero():
         done = "evaluated and saved" if trainer.eval_dataset is not None else "saved"
         print(f"--resume: {checkpoint} reached the run's max_steps ({max_steps}): no step left to train; its model is "
               f"{done}", flush=True)
-    train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    metrics = trainer.evaluate_final_weights() if trainer.eval_dataset is not None else {}
-    _save_verified(trainer, tokenizer, output_dir)
+    return resumed_from
+
+
+def _summary(trainer, train_output, metrics: dict, resumed_from: int, output_dir: Path) -> dict:
+    """What `pretrain_summary.json` records: where the model is, the steps, the losses and the log history."""
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     steps_this_run = trainer.state.global_step - resumed_from
-    summary = {
+    return {
         "output": str(output_dir),
         # the run's total; a resumed run trained steps_this_run of them in this process, and train_loss covers those
         "steps": trainer.state.global_step,
@@ -547,41 +507,3 @@ def _train_evaluate_save(trainer, tokenizer, checkpoint: Path | None, output_dir
         "eval_loss": metrics.get("eval_loss"),
         "log_history": trainer.state.log_history,
     }
-    if trainer.is_world_process_zero():
-        with open(output_dir / "pretrain_summary.json", "w") as handle:
-            json.dump(summary, handle, indent=2)
-        # a last check that what was written is what users will load
-        AutoModelForSeq2SeqLM.from_pretrained(output_dir)
-    # no process returns before the model and summary are in place
-    trainer.accelerator.wait_for_everyone()
-    return summary
-
-
-def _save_verified(trainer, tokenizer, final: Path) -> None:
-    """Save model and tokenizer to a temporary folder inside ``final``, load it back, then move its files to the
-    top of ``final``.
-
-    Every process calls it: under FSDP, ``save_model`` gathers the full state dict from all of them (and writes
-    it from the main process, as it always does); the files are touched by the main process alone.
-    """
-    from transformers import AutoModelForSeq2SeqLM
-
-    from ..output_folder import final_model_disk_full_error, is_disk_full, move_into
-
-    main_process = trainer.is_world_process_zero()
-    temporary = final / ".final-model.tmp"
-    if main_process:
-        shutil.rmtree(temporary, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-    try:
-        trainer.save_model(str(temporary))
-        if main_process:
-            tokenizer.save_pretrained(str(temporary))
-            AutoModelForSeq2SeqLM.from_pretrained(temporary)
-            move_into(temporary, final)
-    except Exception as error:
-        if not is_disk_full(error, temporary):
-            raise
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise final_model_disk_full_error(final) from None
-    trainer.accelerator.wait_for_everyone()

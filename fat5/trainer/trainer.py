@@ -5,6 +5,7 @@ The model computes the fused cross-entropy + z-loss itself (exact under gradient
 to every training log, and routes transformers' ``label_smoothing_factor`` into the fused loss.
 """
 
+import enum
 import inspect
 import math
 import os
@@ -19,17 +20,11 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..checkpoints import fsync_files, newest_complete_checkpoint
 from ..errors import FAT5Error
-from ..output_folder import (
-    CHECKPOINT_NAME,
-    CHECKPOINT_STAGING,
-    disk_full_error,
-    fsync_files,
-    is_disk_full,
-    newest_complete_checkpoint,
-)
+from ..folder_contents import CHECKPOINT_NAME, CHECKPOINT_PREFIX, CHECKPOINT_STAGING
+from ..output_folder import disk_full_error, is_disk_full
 from .metrics import numeric_progress_callback
 
 
@@ -161,7 +156,9 @@ def _in_range(name: str, value) -> bool:
 def check_training_arguments(arguments: dict, where: str = "training") -> None:
     """Raise FAT5Error, naming the field, for a name that is no `FAT5TrainingArguments` field, a value of the wrong
     type in one of its scalar fields (integers, numbers, booleans; the fields that take strings are transformers'),
-    or a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...)."""
+    a number outside the field's meaningful range (a negative ``max_steps``, a beta of 1.5, ...) or a value outside
+    the field's choices (an ``eval_strategy`` of "sometimes"): what transformers would say only once the job builds
+    its arguments, after its output folder is prepared."""
     fields = typing.get_type_hints(FAT5TrainingArguments)
     unknown = sorted(set(arguments) - set(fields))
     if unknown:
@@ -169,9 +166,7 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
                 if "group_by_length" in unknown else "")
         raise FAT5Error(f"{where}: {unknown} not FAT5TrainingArguments field(s){hint}")
     for name, value in arguments.items():
-        annotation = fields[name]
-        is_union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
-        kinds = typing.get_args(annotation) if is_union else (annotation,)
+        kinds = _kinds(fields[name])
         if not set(kinds) <= set(_SCALAR_KINDS) or any(_accepts(kind, value) for kind in kinds):
             continue
         expected = " or ".join(_SCALAR_KINDS[kind] for kind in kinds)
@@ -182,6 +177,9 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
     for name, value in arguments.items():
         if name in _RANGES and not _in_range(name, value):
             raise FAT5Error(f"{where}.{name} must be {_RANGES[name][4]}, got {value!r}")
+        choices = _choices(name, fields[name])
+        if choices and value is not None and value not in choices:
+            raise FAT5Error(f"{where}.{name} must be one of {choices}, got {value!r}")
     if arguments.get("report_to") not in (None, "none", ["none"]):
         from transformers.integrations import get_reporting_integration_callbacks
 
@@ -190,6 +188,22 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
             get_reporting_integration_callbacks(arguments["report_to"])
         except ValueError as error:
             raise FAT5Error(f"{where}.report_to: {error}") from None
+
+
+def _kinds(annotation) -> tuple:
+    """The types a field's annotation allows (those of a union, else the one)."""
+    is_union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    return typing.get_args(annotation) if is_union else (annotation,)
+
+
+def _choices(name: str, annotation) -> list | None:
+    """The values a field takes, where it names them: its metadata's choices, or the values of the Enum it is typed
+    with (IntervalStrategy, SchedulerType, OptimizerNames, ...); None for a field that takes any value of its type."""
+    choices = FAT5TrainingArguments.__dataclass_fields__[name].metadata.get("choices")
+    if choices:
+        return list(choices)
+    enums = [kind for kind in _kinds(annotation) if isinstance(kind, type) and issubclass(kind, enum.Enum)]
+    return [member.value for kind in enums for member in kind] or None
 
 
 def count_tokens(inputs: dict, decoder_labels: bool = True) -> tuple[torch.Tensor, int]:
@@ -309,7 +323,7 @@ class FAT5Trainer(Seq2SeqTrainer):
         deleted. A kill at any moment leaves the previous complete checkpoint or the new one, and a full disk says
         so in one line and keeps the previous one."""
         run_dir = Path(self._get_output_dir(trial))
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        name = f"{CHECKPOINT_PREFIX}-{self.state.global_step}"
         staging = run_dir / CHECKPOINT_STAGING
         if self.args.should_save:
             # what a killed run left half-written
