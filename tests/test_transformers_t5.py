@@ -6,13 +6,19 @@
 import copy
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
 import torch
+import yaml
 from helpers import (
     BLOCK_FAT5,
     FINETUNE_QUIET,
+    REPO,
     TINY,
     padded_batch,
     relative_error,
@@ -20,6 +26,7 @@ from helpers import (
     transformers_class,
     word_tokenizer,
 )
+from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import DataCollatorForSeq2Seq, PreTrainedModel, Seq2SeqTrainer, Seq2SeqTrainingArguments
@@ -437,21 +444,27 @@ def seq2seq_rows(count=12, seed=2):
     return rows
 
 
-def train_with_seq2seq_trainer(model, output_dir, **arguments) -> list[float]:
-    training = Seq2SeqTrainingArguments(output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=4,
-                                        learning_rate=1e-2, logging_steps=1, seed=0, **FINETUNE_QUIET, **arguments)
+def train_with_seq2seq_trainer(model, output_dir, **arguments) -> Seq2SeqTrainer:
+    """Three steps of Seq2SeqTrainer (batches of 4 unless ``arguments`` say otherwise)."""
+    training = Seq2SeqTrainingArguments(**{
+        "output_dir": str(output_dir), "max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-2,
+        "logging_steps": 1, "seed": 0, **FINETUNE_QUIET, **arguments})
     trainer = Seq2SeqTrainer(model=model, args=training, train_dataset=seq2seq_rows(),
                              data_collator=DataCollatorForSeq2Seq(word_tokenizer(), model=model))
     trainer.train()
+    return trainer
+
+
+def logged_losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def test_seq2seq_trainer_with_gradient_checkpointing_trains_as_eager_t5(tmp_path):
     eager, patched = eager_and_fat5("t5")
     fat5.apply_fat5_kernels_to_t5(patched)
-    expected = train_with_seq2seq_trainer(eager, tmp_path / "eager", gradient_checkpointing=True)
+    expected = logged_losses(train_with_seq2seq_trainer(eager, tmp_path / "eager", gradient_checkpointing=True))
     with kernel_calls() as calls:
-        losses = train_with_seq2seq_trainer(patched, tmp_path / "fat5", gradient_checkpointing=True)
+        losses = logged_losses(train_with_seq2seq_trainer(patched, tmp_path / "fat5", gradient_checkpointing=True))
     assert calls.called and len(losses) == len(expected) == 3
     for loss, expected_loss in zip(losses, expected):
         assert abs(loss - expected_loss) <= 1e-5 * expected_loss, (losses, expected)
@@ -518,3 +531,49 @@ def test_bf16_weights_and_bf16_autocast_stay_with_eager_t5():
     expected_error = relative_error(copy.deepcopy(eager).bfloat16()(**BATCH).logits, truth)
     actual_error = relative_error(patched.bfloat16()(**BATCH).logits, truth)
     assert 0 < actual_error <= max(2 * expected_error, 1e-2)
+
+
+# run by `accelerate launch` (the tests' folder on its path): the patched model trained by Seq2SeqTrainer, saved
+TRAIN_UNDER_ACCELERATE = """
+import sys
+
+import fat5
+from test_transformers_t5 import model_of, train_with_seq2seq_trainer, with_attention
+
+output, batch_size = sys.argv[1], int(sys.argv[2])
+model = with_attention(model_of("t5"), "fat5")
+fat5.apply_fat5_kernels_to_t5(model)
+trainer = train_with_seq2seq_trainer(model, output, per_device_train_batch_size=batch_size)
+trainer.save_model(output)
+"""
+
+
+@pytest.mark.slow
+def test_accelerate_launch_on_two_processes_trains_as_one_process_on_their_two_batches(tmp_path):
+    """Two CPU processes (DDP over gloo) take batches of 2, the halves of one process's batches of 4. The patched
+    loss sums over the Trainer's num_items_in_batch (counted across processes), so both runs take the same steps
+    and save the same weights (T5's own loss, the mean of each process's batch, would weigh their tokens
+    differently)."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_UNDER_ACCELERATE)
+    settings = yaml.safe_load((REPO / "examples" / "accelerate" / "ddp.yaml").read_text())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        settings.update(num_processes=2, use_cpu=True, main_process_port=probe.getsockname()[1])
+    settings.pop("gpu_ids")
+    (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(settings))
+    environment = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                       PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    commands = {"one": [str(script), str(tmp_path / "one"), "4"],
+                "two": ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "ddp.yaml"), str(script),
+                        str(tmp_path / "two"), "2"]}
+    for name, command in commands.items():
+        completed = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600,
+                                   env=environment, cwd=tmp_path, check=False)
+        assert completed.returncode == 0, f"{name}: {completed.stderr[-3000:]}"
+    one, two = (load_file(tmp_path / name / "model.safetensors") for name in ("one", "two"))
+    assert one.keys() == two.keys()
+    initial = model_of("t5").state_dict()
+    for name, value in one.items():
+        assert not torch.equal(value, initial[name]), f"{name} was not trained"
+        torch.testing.assert_close(two[name], value, rtol=1e-4, atol=1e-5, msg=name)
