@@ -376,11 +376,14 @@ def test_the_patch_on_a_class_reaches_its_later_instances(monkeypatch):
     ({"z_loss": -1.0}, ValueError, "z_loss must be >= 0"),
     ({"label_smoothing": 0.1, "cross_entropy": False}, ValueError, "belong to the fused cross-entropy"),
     ({"model_or_class": "class", "attention_dropout": 0.0}, ValueError, "pass the model, not its class"),
+    ({"model_or_class": "encoder", "z_loss": 1e-4}, ValueError, "T5EncoderModel has none"),
 ])
 def test_bad_patch_arguments_are_refused_in_one_line(arguments, error, match):
     arguments = {"model_or_class": model_of("t5"), **arguments}
     if arguments["model_or_class"] == "class":
         arguments["model_or_class"] = transformers_class("t5", "ForConditionalGeneration")
+    if arguments["model_or_class"] == "encoder":
+        arguments["model_or_class"] = model_of("t5", "EncoderModel")
     with pytest.raises(error, match=match):
         fat5.apply_fat5_kernels_to_t5(**arguments)
 

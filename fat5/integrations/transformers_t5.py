@@ -63,10 +63,6 @@ def set_kernel_backend(backend: str) -> None:
     _backend = backend
 
 
-def kernel_backend() -> str:
-    return _backend
-
-
 def _family_module(model_type: str) -> types.ModuleType:
     return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
@@ -341,6 +337,9 @@ def apply_fat5_kernels_to_t5(model_or_class, *, rms_norm: bool = True, cross_ent
         raise ValueError(f"z_loss must be >= 0 and label_smoothing in [0, 1], got {z_loss} and {label_smoothing}")
     if (z_loss or label_smoothing) and not cross_entropy:
         raise ValueError("z_loss and label_smoothing belong to the fused cross-entropy: leave cross_entropy=True")
+    if (z_loss or label_smoothing) and not issubclass(model_class, GenerationMixin):
+        raise ValueError(f"z_loss and label_smoothing belong to a language model's loss: {model_class.__name__} has "
+                         "none (T5ForConditionalGeneration, MT5..., UMT5... have)")
     if attention_dropout is not None and model is None:
         raise ValueError("attention_dropout is set on a model's attention layers: pass the model, not its class")
     family = _family_module(model_type)
