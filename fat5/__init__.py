@@ -1,7 +1,9 @@
 """FAT5 — Flash Attention T5.
 
 ``import fat5`` registers the FAT5 config and models with transformers' Auto classes, so
-``AutoModelForSeq2SeqLM.from_pretrained(fat5_dir)`` works on a saved FAT5 model.
+``AutoModelForSeq2SeqLM.from_pretrained(fat5_dir)`` works on a saved FAT5 model, and registers
+``attn_implementation="fat5"``, which runs transformers' own T5, mT5 and UMT5 on FAT5's attention kernels
+(``fat5.integrations.transformers_t5``; ``apply_fat5_kernels_to_t5`` adds its RMSNorm and fused loss).
 """
 
 from transformers import (
@@ -17,6 +19,8 @@ from transformers import (
 
 from .configuration_fat5 import FAT5Config
 from .errors import FAT5Error
+from .integrations.transformers_t5 import apply_fat5_kernels_to_t5
+from .integrations.transformers_t5 import register as _register_attention_with_transformers
 from .modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -42,6 +46,7 @@ for auto_class, model_class in (
     (AutoModelForQuestionAnswering, FAT5ForQuestionAnswering),
 ):
     auto_class.register(FAT5Config, model_class, exist_ok=True)
+_register_attention_with_transformers()
 
 __all__ = [
     "FAT5Config",
@@ -53,4 +58,5 @@ __all__ = [
     "FAT5ForTokenClassification",
     "FAT5Model",
     "FAT5PreTrainedModel",
+    "apply_fat5_kernels_to_t5",
 ]

@@ -93,7 +93,8 @@ def test_convert_writes_the_weights_in_the_short_named_dtype(tmp_path):
 GPU_ONLY_BENCHMARKS = ["attention", "cross-entropy", "rms-norm", "model", "launch-overhead", "linear-cross-entropy"]
 
 
-TINY_ON_CPU_BENCHMARKS = ["finetune", "pretrain", "distributed", "generation", "generation-profile", "gradient-check"]
+TINY_ON_CPU_BENCHMARKS = ["finetune", "pretrain", "distributed", "generation", "generation-profile", "gradient-check",
+                          "transformers-t5"]
 
 
 @pytest.mark.parametrize("name", [*GPU_ONLY_BENCHMARKS, *TINY_ON_CPU_BENCHMARKS])

@@ -21,7 +21,7 @@ CONSOLE_ENTRY = REPO / "fat5_command.py"
 LAYERS = [
     ["fat5.errors", "fat5.dtypes", "fat5.conversion_defaults", "fat5.configuration_fat5", "fat5.kernels",
      "fat5.position_encoding", "fat5.token_layout", "fat5.remote_code", "fat5.pipeline_fat5"],
-    ["fat5.modeling_fat5", "fat5.graphed_decoding"],
+    ["fat5.modeling_fat5", "fat5.graphed_decoding", "fat5.integrations"],
     ["fat5.conversion", "fat5.hub_upload", "fat5.trainer", "fat5.output_folder", "fat5.folder_contents",
      "fat5.checkpoints", "fat5.testing"],
     ["fat5.commands", "fat5.cli", "fat5_command"],

@@ -21,7 +21,8 @@ def benchmark_names() -> list[str]:
 
 # the benchmarks that run without a GPU: always (None) or with the option that shrinks them to a CPU check
 CPU_MODES = {"collator": None, "distributed": "--tiny", "finetune": "--tiny", "generation": "--tiny",
-             "generation-profile": "--tiny", "gradient-check": "--tiny", "pretrain": "--tiny"}
+             "generation-profile": "--tiny", "gradient-check": "--tiny", "pretrain": "--tiny",
+             "transformers-t5": "--tiny"}
 # options under which a benchmark measures nothing (and writes no result, or only one merged from result files)
 NON_MEASURING_OPTIONS = ("-h", "--help", "--plot-only", "--merge")
 RESULTS_FOLDER = Path("runs") / "bench"
@@ -34,7 +35,8 @@ def configure_bench(parser: argparse.ArgumentParser) -> None:
         f"{RESULTS_FOLDER}/NAME-YYYYMMDD-HHMMSS.json under the checkout, unless `--out FILE` says where (the "
         "measured runs the README quotes are kept in benchmarks/results/, which `fat5 bench` never overwrites "
         "unless given that path). Without CUDA, only collator runs as is; distributed, finetune, generation, "
-        "generation-profile and pretrain take --tiny for a CPU check of their path; the others need a GPU."
+        "generation-profile, gradient-check, pretrain and transformers-t5 take --tiny for a CPU check of their path; "
+        "the others need a GPU."
     )
     parser.add_argument("benchmark", metavar="NAME", help=f"one of: {', '.join(benchmark_names()) or '(none found)'}")
     parser.add_argument("arguments", nargs=argparse.REMAINDER, help="passed to the script")
