@@ -118,17 +118,9 @@ def test_torch_compile_fullgraph_with_inductor():
     assert all(relative_error(g, e) < 1e-3 for g, e in zip(grads, expected_grads))
 
 
-def test_forward_and_backward_replay_from_a_cuda_graph():
-    """A training step captured once (FA4 compiles its kernels on the first, eager, call) replays the eager
-    results."""
-    torch.manual_seed(6)
-    query, key, value = (cuda_leaf(2, 4, 512, 64, std=0.35) for _ in range(3))
-    grad_out = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        out = attention(query, key, value)
-        return (out, *torch.autograd.grad(out, (query, key, value), grad_out))
-
+def assert_replays_from_a_cuda_graph(step):
+    """``step()`` run once eagerly on a side stream (the kernels compile there), then captured and replayed: the same
+    tensors."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -140,6 +132,20 @@ def test_forward_and_backward_replay_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert all(relative_error(c, e) < 1e-3 for c, e in zip(captured, eager))
+
+
+def test_forward_and_backward_replay_from_a_cuda_graph():
+    """A training step captured once (FA4 compiles its kernels on the first, eager, call) replays the eager
+    results."""
+    torch.manual_seed(6)
+    query, key, value = (cuda_leaf(2, 4, 512, 64, std=0.35) for _ in range(3))
+    grad_out = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = attention(query, key, value)
+        return (out, *torch.autograd.grad(out, (query, key, value), grad_out))
+
+    assert_replays_from_a_cuda_graph(step)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -262,14 +268,4 @@ def test_t5_eager_step_replays_from_a_cuda_graph():
                             position_bias=PositionBias.t5(table, bidirectional=False))
         return (out, *torch.autograd.grad(out, (query, key, value, table), grad_out))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager = training_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = training_step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(relative_error(c, e) < 1e-3 for c, e in zip(captured, eager))
+    assert_replays_from_a_cuda_graph(training_step)

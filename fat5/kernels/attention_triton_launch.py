@@ -45,6 +45,11 @@ class Problem:
     seqlen_k: int
     is_varlen: bool
 
+    def row_stats(self, query: torch.Tensor) -> torch.Tensor:
+        """An empty fp32 tensor of one value per query row: (batch, heads, Lq), or (heads, total_q) for varlen."""
+        shape = (self.num_heads, query.shape[0]) if self.is_varlen else (self.batch, self.num_heads, self.seqlen_q)
+        return torch.empty(shape, dtype=torch.float32, device=query.device)
+
     @staticmethod
     def of(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
         if cu_seqlens_q is None:
@@ -136,6 +141,32 @@ def _expand_bias(attn_bias: torch.Tensor, problem: Problem) -> torch.Tensor:
     return attn_bias.expand(problem.batch, problem.num_heads, problem.seqlen_q, problem.seqlen_k)
 
 
+def _key_splits(problem: Problem, config: LaunchConfig, num_m_blocks: int, device) -> tuple[int, int]:
+    """(splits of the keys, key blocks a split): one unless few query blocks would leave most of the GPU idle
+    (flash-decoding: a few queries against a long cache), then enough for about three programs an SM."""
+    num_n_blocks = cdiv(max(problem.seqlen_k, 1), config.block_n)
+    programs = num_m_blocks * problem.batch * problem.num_heads
+    num_splits = 1
+    if num_m_blocks == 1 and programs < kernel_multiprocessors(device):
+        num_splits = max(1, min(3 * kernel_multiprocessors(device) // programs, num_n_blocks // 2))
+    blocks_per_split = cdiv(num_n_blocks, num_splits)
+    return cdiv(num_n_blocks, blocks_per_split), blocks_per_split
+
+
+def _row_deltas(out, grad_out, like, problem: Problem, cu_seqlens_q, device) -> torch.Tensor:
+    """``delta_i = sum_d out_id * grad_out_id`` (fp32) of every query row, laid out as ``like`` (lse's layout):
+    the softmax backward's row term."""
+    delta = torch.empty_like(like)
+    block = 64 if device.type == "cuda" else 16
+    _backward_preprocess_kernel[(cdiv(problem.seqlen_q, block), problem.batch * problem.num_heads)](
+        out, grad_out, delta, like if cu_seqlens_q is None else cu_seqlens_q,
+        *token_strides(out, problem), *token_strides(grad_out, problem), *row_stats_strides(delta, problem),
+        problem.num_heads, problem.seqlen_q,
+        HEAD_DIM=problem.head_dim, BLOCK_M=block, IS_VARLEN=problem.is_varlen, num_warps=4,
+    )
+    return delta
+
+
 def launch_forward(
     query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options: CallOptions,
     query_offset_tensor=None, t5_bias_rows=None,
@@ -146,36 +177,26 @@ def launch_forward(
     position = options.position_bias(position_tensor)
     device = query.device
     out = torch.empty_like(query)
-    if problem.is_varlen:
-        lse = torch.empty(problem.num_heads, query.shape[0], dtype=torch.float32, device=device)
-    else:
-        lse = torch.empty(problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=device)
+    lse = problem.row_stats(query)
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
     decoding = problem.seqlen_q <= 16
     config = launch_config("decode" if decoding else "forward", device, problem.head_dim, query.dtype)
     num_m_blocks = cdiv(problem.seqlen_q, config.block_m)
-    num_n_blocks = cdiv(max(problem.seqlen_k, 1), config.block_n)
-    programs = num_m_blocks * problem.batch * problem.num_heads
-    num_splits = 1
-    if num_m_blocks == 1 and programs < kernel_multiprocessors(device):
-        # flash-decoding: few queries against a long cache would leave most of the GPU idle; split the keys
-        num_splits = max(1, min(3 * kernel_multiprocessors(device) // programs, num_n_blocks // 2))
-    blocks_per_split = cdiv(num_n_blocks, num_splits)
-    num_splits = cdiv(num_n_blocks, blocks_per_split)
+    num_splits, blocks_per_split = _key_splits(problem, config, num_m_blocks, device)
     is_split = num_splits > 1
 
     with device_guard(device):
         bias, bias_strides, max_distance_arg, _ = _position_arguments(position, problem, t5_bias_rows)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
+        # each split's running output, max and sum, combined afterwards
+        partial_acc = partial_max = partial_sum = lse
         if is_split:
             partial_shape = (num_splits, problem.batch * problem.num_heads, config.block_m)
             partial_acc = torch.empty(*partial_shape, problem.head_dim, dtype=torch.float32, device=device)
-            partial_max = torch.empty(partial_shape, dtype=torch.float32, device=device)
-            partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=device)
-        else:
-            partial_acc = partial_max = partial_sum = lse
+            partial_max, partial_sum = (torch.empty(partial_shape, dtype=torch.float32, device=device)
+                                        for _ in range(2))
         dummy = lse
         grid = (num_m_blocks, problem.batch * problem.num_heads, num_splits)
         _attention_forward_kernel[grid](
@@ -231,14 +252,7 @@ def t5_band_table_gradient(
     dummy = lse_log2
     cu_pointers = (dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k)
     with device_guard(device):
-        delta = torch.empty_like(lse_log2)
-        preprocess_block = 64 if device.type == "cuda" else 16
-        _backward_preprocess_kernel[(cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
-            out, grad_out, delta, cu_pointers[0],
-            *token_strides(out, problem), *token_strides(grad_out, problem), *row_stats_strides(delta, problem),
-            problem.num_heads, problem.seqlen_q,
-            HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
-        )
+        delta = _row_deltas(out, grad_out, lse_log2, problem, cu_seqlens_q, device)
         _t5_band_distance_grad_kernel[(num_n_blocks, problem.batch * problem.num_heads)](
             query, key, value, grad_out, lse_log2, delta, bias_rows, distance_grad, *cu_pointers,
             *token_strides(query, problem), *token_strides(key, problem), *token_strides(value, problem),
@@ -254,13 +268,45 @@ def t5_band_table_gradient(
     return t5_table_gradient(distance_grad, buckets, position.tensor)
 
 
+@dataclass
+class _BackwardArguments:
+    """What the dk/dv kernel and the dq kernel take alike: the inputs and their strides, the mask, bias and segment
+    pointers (``lse`` stands in for those absent), the shape and scale, and the shared constexprs."""
+
+    leading: tuple  # query, key, value, grad_out, lse, delta
+    pointers: tuple  # padding, bias, cu_seqlens_q, cu_seqlens_k
+    input_strides: tuple  # query, key, value, grad_out
+    lse_strides: tuple
+    mask_and_bias_strides: tuple
+    trailing: tuple  # heads, lengths, query offset, scales
+    constexprs: dict
+
+    @staticmethod
+    def of(query, key, value, grad_out, lse, delta, padding, bias, bias_strides, cu_seqlens_q, cu_seqlens_k,
+           problem: Problem, options: CallOptions, max_distance: int) -> "_BackwardArguments":
+        def pointer(tensor):
+            return lse if tensor is None else tensor
+
+        return _BackwardArguments(
+            (query, key, value, grad_out, lse, delta),
+            tuple(map(pointer, (padding, bias, cu_seqlens_q, cu_seqlens_k))),
+            tuple(stride for tensor in (query, key, value, grad_out) for stride in token_strides(tensor, problem)),
+            row_stats_strides(lse, problem),
+            (0 if padding is None else padding.stride(0), *bias_strides),
+            (problem.num_heads, problem.seqlen_q, problem.seqlen_k, options.query_offset,
+             options.scale * 1.4426950408889634, options.scale),
+            {"HEAD_DIM": problem.head_dim, "MAX_DISTANCE": max_distance, "CAUSAL": options.causal,
+             "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
+             "INPUT_PRECISION": input_precision(query.dtype)},
+        )
+
+
 def launch_backward(
     grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k,
     options: CallOptions, position_grad,
 ):
     problem = Problem.of(query, key, cu_seqlens_q, options.max_seqlen_q, options.max_seqlen_k)
     position = options.position_bias(position_tensor)
-    scale, causal = options.scale, options.causal
     device = query.device
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     table_grad = position_grad and position.kind == "t5"
@@ -268,20 +314,13 @@ def launch_backward(
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dkdv_config = launch_config("dkdv", device, problem.head_dim, query.dtype)
-    dq_config = launch_config("dq", device, problem.head_dim, query.dtype)
     num_n_blocks = cdiv(problem.seqlen_k, dkdv_config.block_n)
     with device_guard(device):
-        bias, bias_strides, max_distance_arg, buckets = _position_arguments(position, problem)
+        bias, bias_strides, max_distance, buckets = _position_arguments(position, problem)
         padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else None
-        dummy = lse
-        delta = torch.empty_like(lse)
-        preprocess_block = 64 if device.type == "cuda" else 16
-        _backward_preprocess_kernel[(cdiv(problem.seqlen_q, preprocess_block), problem.batch * problem.num_heads)](
-            out, grad_out, delta, dummy if cu_seqlens_q is None else cu_seqlens_q,
-            *token_strides(out, problem), *token_strides(grad_out, problem), *row_stats_strides(delta, problem),
-            problem.num_heads, problem.seqlen_q,
-            HEAD_DIM=problem.head_dim, BLOCK_M=preprocess_block, IS_VARLEN=problem.is_varlen, num_warps=4,
-        )
+        delta = _row_deltas(out, grad_out, lse, problem, cu_seqlens_q, device)
+        shared = _BackwardArguments.of(query, key, value, grad_out, lse, delta, padding, bias, bias_strides,
+                                       cu_seqlens_q, cu_seqlens_k, problem, options, max_distance)
         distance_grad = dbias = None
         if table_grad:  # one row of sums per relative position for each program of the dk/dv kernel
             distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * position.max_distance + 3,
@@ -290,68 +329,68 @@ def launch_backward(
             dbias = torch.zeros(
                 problem.batch, problem.num_heads, problem.seqlen_q, problem.seqlen_k, dtype=torch.float32, device=device
             )
-        common = {
-            "HEAD_DIM": problem.head_dim, "MAX_DISTANCE": max_distance_arg, "CAUSAL": causal,
-            "HAS_PADDING": padding is not None, "IS_VARLEN": problem.is_varlen,
-            "INPUT_PRECISION": input_precision(query.dtype),
-        }
-        # full query blocks only (dense inputs): the dk/dv kernel loads rows without masks
-        even_m = not problem.is_varlen and problem.seqlen_q % dkdv_config.block_m == 0
-        padding_pointer = dummy if padding is None else padding
-        bias_pointer = dummy if bias is None else bias
-        cu_pointers = (
-            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
-        )
-        shape_arguments = (
-            problem.num_heads, problem.seqlen_q, problem.seqlen_k, options.query_offset, scale * 1.4426950408889634,
-        )
-        grid = (num_n_blocks, problem.batch * problem.num_heads)
         # dq: added into an fp32 buffer by the dk/dv kernel (atomics, as FlashAttention-2), or computed by its own
         # kernel (three more products per tile, no atomics) for large heads and under deterministic algorithms
         fused_dq = problem.head_dim <= FUSED_DQ_MAX_HEAD_DIM and not torch.are_deterministic_algorithms_enabled()
         # in the query's memory layout (the model's are transposed views): the copy into dq then runs contiguous,
         # where a (batch, heads, length, dim) buffer made it a strided transpose (1.5 ms of a 91 ms step, H100)
-        dq_accumulator = torch.zeros_like(query, dtype=torch.float32) if fused_dq else dummy
+        dq_accumulator = torch.zeros_like(query, dtype=torch.float32) if fused_dq else None
         bank, bank_left_tiles = None, 0
         if _dkdv_uses_t5_bias_bank(position, options, table_grad, dkdv_config):
-            bank, bank_left_tiles = t5_bias_bank(bias, dkdv_config.block_n, dkdv_config.block_m, max_distance_arg)
-        _attention_backward_dkdv_kernel[grid](
-            query, key, value, grad_out, lse, delta, dk, dv, dq_accumulator, padding_pointer, bias_pointer,
-            dummy if bank is None else bank, dummy if distance_grad is None else distance_grad,
-            dummy if dbias is None else dbias, *cu_pointers,
-            *token_strides(query, problem), *token_strides(key, problem), *token_strides(value, problem),
-            *token_strides(grad_out, problem), *token_strides(dk, problem), *token_strides(dv, problem),
-            *(token_strides(dq_accumulator, problem) if fused_dq else (0, 0, 0)),
-            *row_stats_strides(lse, problem),
-            0 if padding is None else padding.stride(0),
-            *bias_strides,
-            *((0, 0, 0, 0) if dbias is None else dbias.stride()),
-            *shape_arguments, scale,
-            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, POSITION=POSITION_CODES[position.kind],
-            EVEN_M=even_m, TABLE_GRAD=table_grad, BIAS_GRAD=bias_grad, FUSED_DQ=fused_dq,
-            BANK_TILES=0 if bank is None else bank.shape[1], BANK_LEFT_TILES=bank_left_tiles,
-            **common, **launch_kwargs(dkdv_config, device),
-        )
+            bank, bank_left_tiles = t5_bias_bank(bias, dkdv_config.block_n, dkdv_config.block_m, max_distance)
+        _launch_dkdv(shared, problem, position, dkdv_config, num_n_blocks, dk, dv, dq_accumulator, bank,
+                     bank_left_tiles, distance_grad, dbias, device)
         if fused_dq:
             dq.copy_(dq_accumulator)
         else:
-            dq_grid = (cdiv(problem.seqlen_q, dq_config.block_m), problem.batch * problem.num_heads)
-            _attention_backward_dq_kernel[dq_grid](
-                query, key, value, grad_out, lse, delta, dq, padding_pointer, bias_pointer, *cu_pointers,
-                *token_strides(query, problem), *token_strides(key, problem), *token_strides(value, problem),
-                *token_strides(grad_out, problem), *token_strides(dq, problem),
-                *row_stats_strides(lse, problem),
-                0 if padding is None else padding.stride(0),
-                *bias_strides,
-                *shape_arguments, scale,
-                BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, POSITION=POSITION_CODES[position.kind],
-                **common, **launch_kwargs(dq_config, device),
-            )
-    position_gradient = query.new_empty(0)
-    if table_grad:
-        position_gradient = t5_table_gradient(distance_grad, buckets, position_tensor)
-    elif bias_grad:
+            _launch_dq(shared, problem, position, dq, device)
+    return dq, dk, dv, _position_gradient(query, problem, position_tensor, distance_grad, buckets, dbias)
+
+
+def _launch_dkdv(shared: _BackwardArguments, problem: Problem, position: PositionBias, config: LaunchConfig,
+                 num_n_blocks: int, dk, dv, dq_accumulator, bank, bank_left_tiles, distance_grad, dbias, device):
+    """dk and dv (and dq's fp32 sums when ``dq_accumulator`` is given), one program per key block and head."""
+    dummy = shared.leading[4]
+    grid = (num_n_blocks, problem.batch * problem.num_heads)
+    _attention_backward_dkdv_kernel[grid](
+        *shared.leading, dk, dv, dummy if dq_accumulator is None else dq_accumulator, *shared.pointers[:2],
+        dummy if bank is None else bank, dummy if distance_grad is None else distance_grad,
+        dummy if dbias is None else dbias, *shared.pointers[2:],
+        *shared.input_strides, *token_strides(dk, problem), *token_strides(dv, problem),
+        *((0, 0, 0) if dq_accumulator is None else token_strides(dq_accumulator, problem)),
+        *shared.lse_strides, *shared.mask_and_bias_strides,
+        *((0, 0, 0, 0) if dbias is None else dbias.stride()),
+        *shared.trailing,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, POSITION=POSITION_CODES[position.kind],
+        # full query blocks only (dense inputs): the kernel loads rows without masks
+        EVEN_M=not problem.is_varlen and problem.seqlen_q % config.block_m == 0,
+        TABLE_GRAD=distance_grad is not None, BIAS_GRAD=dbias is not None, FUSED_DQ=dq_accumulator is not None,
+        BANK_TILES=0 if bank is None else bank.shape[1], BANK_LEFT_TILES=bank_left_tiles,
+        **shared.constexprs, **launch_kwargs(config, device),
+    )
+
+
+def _launch_dq(shared: _BackwardArguments, problem: Problem, position: PositionBias, dq, device):
+    """dq by its own kernel, one program per query block and head."""
+    config = launch_config("dq", device, problem.head_dim, dq.dtype)
+    grid = (cdiv(problem.seqlen_q, config.block_m), problem.batch * problem.num_heads)
+    _attention_backward_dq_kernel[grid](
+        *shared.leading, dq, *shared.pointers,
+        *shared.input_strides, *token_strides(dq, problem),
+        *shared.lse_strides, *shared.mask_and_bias_strides,
+        *shared.trailing,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, POSITION=POSITION_CODES[position.kind],
+        **shared.constexprs, **launch_kwargs(config, device),
+    )
+
+
+def _position_gradient(query, problem: Problem, position_tensor, distance_grad, buckets, dbias) -> torch.Tensor:
+    """The position tensor's gradient from the dk/dv kernel's sums: the T5 table's (``distance_grad``), an explicit
+    bias's (``dbias``), or an empty tensor."""
+    if distance_grad is not None:
+        return t5_table_gradient(distance_grad, buckets, position_tensor)
+    if dbias is not None:
         if problem.is_varlen:
             dbias = dbias.sum(dim=0)
-        position_gradient = dbias.sum_to_size(position_tensor.shape).to(position_tensor.dtype).contiguous()
-    return dq, dk, dv, position_gradient
+        return dbias.sum_to_size(position_tensor.shape).to(position_tensor.dtype).contiguous()
+    return query.new_empty(0)
