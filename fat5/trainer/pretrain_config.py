@@ -188,8 +188,8 @@ class CompileSection:
         "reduce-overhead: one CUDA graph per batch shape), default (torch.compile's default mode), regional (each "
         "encoder and decoder block compiled on its own), none (eager)", one_of(COMPILE_MODES)))
     cache_dir: str | None = field(default=DEFAULT_CACHE_DIR, metadata=about(
-        "Inductor's, AOTAutograd's and Triton's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), so that a "
-        "restart compiles little; null: torch's and Triton's own", _cache_dir))
+        "Inductor's, AOTAutograd's, Triton's and flash-attn-4's caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, "
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR), so that a restart compiles little; null: their own", _cache_dir))
 
 
 @dataclass

@@ -313,14 +313,17 @@ def _trains_on_cuda(settings: PretrainConfig) -> bool:
 
 
 def _prepare_compiler(settings: PretrainConfig, path: PretrainingPath, cuda: bool) -> None:
-    """Point Inductor's and Triton's caches (FAT5's own Triton kernels too, on a CUDA device) at compile.cache_dir,
-    keep the FX-graph and AOTAutograd caches on, and let dynamo keep a graph per batch shape."""
+    """Point Inductor's, Triton's and flash-attn-4's caches (FAT5's own Triton kernels too, and its Hopper kernels'
+    CuTe DSL compilations, which FA4 keeps only in memory by default) at compile.cache_dir, keep the FX-graph and
+    AOTAutograd caches on, and let dynamo keep a graph per batch shape."""
     if not (path.compiled or cuda):
         return
     folder = check_cache_dir(settings.compile.cache_dir)
     if folder is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
         os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(folder / "cute")
     if path.compiled:
         import torch
 
