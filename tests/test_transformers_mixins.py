@@ -41,15 +41,7 @@ from transformers import (
     T5Model,
 )
 
-from fat5 import (
-    FAT5Config,
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-)
+import fat5
 
 PACKAGE = "transformers_sdist_tests"
 
@@ -128,7 +120,7 @@ class Seq2SeqTester:
         self.is_training = True
 
     def get_config(self):
-        extra = {"attention_backend": "reference"} if self.config_class is FAT5Config else {}
+        extra = {"attention_backend": "reference"} if self.config_class is fat5.FAT5Config else {}
         return self.config_class(
             vocab_size=self.vocab_size, d_model=self.hidden_size, d_ff=37, d_kv=self.hidden_size // 4,
             num_layers=self.num_hidden_layers, num_decoder_layers=self.num_hidden_layers,
@@ -207,12 +199,13 @@ def _suites():
 
     class FAT5CommonTest(Common, unittest.TestCase):
         all_model_classes = (
-            FAT5Model, FAT5ForConditionalGeneration, FAT5ForSequenceClassification, FAT5ForQuestionAnswering
+            fat5.FAT5Model, fat5.FAT5ForConditionalGeneration, fat5.FAT5ForSequenceClassification,
+            fat5.FAT5ForQuestionAnswering,
         )
-        config_class = FAT5Config
+        config_class = fat5.FAT5Config
 
     class FAT5EncoderCommonTest(FAT5CommonTest):
-        all_model_classes = (FAT5EncoderModel, FAT5ForTokenClassification)
+        all_model_classes = (fat5.FAT5EncoderModel, fat5.FAT5ForTokenClassification)
         model_tester_class = EncoderTester
         is_encoder_decoder = False
 
