@@ -309,10 +309,12 @@ sys.meta_path.insert(0, BlockFat5())
 """
 
 
-def run_isolated(script: str, *args, tmp: Path) -> subprocess.CompletedProcess:
-    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`."""
+def run_isolated(script: str, *args, tmp: Path, environment: dict | None = None) -> subprocess.CompletedProcess:
+    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`,
+    offline unless ``environment`` (variables set on top) says otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(environment or {})
     return subprocess.run(
         [sys.executable, "-I", "-c", script, *map(str, args)],
         env=env,
