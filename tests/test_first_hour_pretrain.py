@@ -17,11 +17,12 @@ from helpers import REPO, ROWS, TINY_PRETRAIN
 from transformers import AutoTokenizer
 
 from fat5.cli import main
+from fat5.trainer.jobs import release_output_dir
 
 FAT5_SCRIPT = Path(sys.executable).parent / "fat5"
 
 
-@pytest.mark.parametrize("command", ["pretrain", "finetune", "convert", "export-hf", "bundle", "push"])
+@pytest.mark.parametrize("command", ["pretrain", "finetune", "convert", "export-hf", "bundle", "push", "bench"])
 def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     """`fat5 pretrain --help` took 10.8 s (torch imported first) and showed Sphinx markup; it imports neither torch
     nor transformers now, and says what the full parser (the one that runs the command) says."""
@@ -114,7 +115,10 @@ def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_t
     from fat5.trainer import pretraining
 
     run = tmp_path / "run"
-    pretraining.prepare_pretraining(FAST, run)  # what a run interrupted before its first checkpoint leaves
+    # what a run interrupted before its first checkpoint leaves (the job prepared and not run holds the folder's lock
+    # until it is released)
+    pretraining.prepare_pretraining(FAST, run)
+    release_output_dir(run)
     assert sorted(path.name for path in run.iterdir()) == ["pretrain_config.yaml", "tokenizer"]
 
     def interrupted(*args, **kwargs):
@@ -128,7 +132,7 @@ def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_t
     mine = tmp_path / "mine"  # a folder of the user's, written into with --overwrite: a rerun needs it again
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    assert main(["pretrain", "--output-dir", str(mine)]) == 130
+    assert main(["pretrain", "--output-dir", str(mine), "--overwrite"]) == 130
     assert f"`fat5 pretrain --output-dir {mine} --overwrite` starts over" in capfd.readouterr().err
     monkeypatch.undo()
 
