@@ -277,8 +277,7 @@ def lock_run_folder(out) -> Path:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "a process that has not said which yet"
+            holder = _lock_holder(handle)
             handle.close()
             raise FAT5Error(f"{out} is being written by another job ({holder}): wait for it to end, or choose "
                             "another output folder") from None
@@ -296,6 +295,17 @@ def lock_run_folder(out) -> Path:
     handle.flush()
     _HELD[out] = _HeldLock(handle, made)
     return out
+
+
+def _lock_holder(handle) -> str:
+    """Who holds the lock file ``handle`` is open on, as its holder wrote it just after taking the lock."""
+    for _ in range(20):
+        handle.seek(0)
+        holder = handle.read().strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    return "a process that has not said which"
 
 
 def unlock_run_folder(out) -> None:
