@@ -42,6 +42,35 @@ def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     assert time.perf_counter() - start < 3.0  # about 0.3 s; a loaded machine gets room
 
 
+def test_the_job_says_what_it_does_before_torch_loads_and_a_typo_then_in_one_line(tmp_path):
+    """`fat5 pretrain` printed nothing for 12 s while it imported torch and transformers (issue 50): it says what it
+    will do first, begins training its tokenizer, then loads them; a key that only transformers' classes can check
+    is named then, in one line, the tokenizer's training ended and the folder left as it was."""
+    program = ("import builtins, sys\nfrom fat5_command import main\nprinted = builtins.print\n"
+               "def first(*args, **kwargs):\n"
+               "    if not kwargs.get('file'):\n"
+               "        printed('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+               "        builtins.print = printed\n"
+               "    printed(*args, **kwargs)\n"
+               "builtins.print = first\n"
+               f"sys.exit(main(['pretrain', '--output-dir', {str(tmp_path / 'run')!r}, '--set', "
+               "'training.max_stpes=3']))\n")
+    started = time.perf_counter()
+    job = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    first_line = job.stdout.readline()
+    said_after = time.perf_counter() - started
+    out, errors = job.communicate(timeout=300)
+    assert first_line.startswith("pretraining 300 steps on the built-in Shakespeare plays")
+    assert said_after < 3.0  # about 0.3 s; a loaded machine gets room
+    assert out == "training a 1024-token tokenizer on the corpus\n"
+    assert job.returncode == 2
+    assert errors.splitlines() == ["torch imported: False",
+                                   "fat5 pretrain: error: training: ['max_stpes'] not FAT5TrainingArguments field(s)"]
+    assert not (tmp_path / "run").exists()
+    assert not training_children()
+
+
 # the job at its smallest: a tiny model, its tokenizer trained on the first 40 scenes
 FAST = {**TINY_PRETRAIN, "tokenizer": {**TINY_PRETRAIN["tokenizer"], "train_on_documents": 40}}
 

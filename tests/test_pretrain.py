@@ -49,6 +49,30 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     assert generated.shape == (1, 9)
 
 
+def test_the_quick_start_says_what_it_does_at_once_and_draws_no_progress_bar(default_run):
+    """Its first line says what the job does before torch and transformers load (issue 50), the tokenizer is trained
+    (or loaded) once, by the training begun then; its output, read from a pipe, holds no progress bar; and its summary
+    claims no compilation on the CPU's eager step."""
+    _, completed = default_run
+    lines = completed.stdout.splitlines()
+    assert lines[0] == ("pretraining 300 steps on the built-in Shakespeare plays, into outputs/fat5-tiny (loading "
+                        "torch and transformers)")
+    assert len([line for line in lines if line.startswith(("training a", "tokenizer:"))]) == 1
+    assert "%|" not in completed.stdout + completed.stderr and "it/s]" not in completed.stdout + completed.stderr
+    assert "compilation" not in completed.stdout
+
+
+def test_the_tokenizer_begun_before_the_imports_trains_on_the_jobs_texts():
+    """`begun_pretraining` reads the built-in corpus without `datasets`: the texts it trains the tokenizer on are the
+    ones the job's `datasets` corpus gives it, in their order (else the job would train a second one)."""
+    from fat5.trainer.data import shakespeare_training_texts
+    from fat5.trainer.pretraining import load_corpus
+
+    settings = load_pretrain_config()
+    train, _ = load_corpus(settings.data, settings.seed)
+    assert shakespeare_training_texts(settings.data.unit, settings.data.eval_fraction, settings.seed) == train["text"]
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     """SMALL_PRETRAIN run once, uninterrupted: checkpoint-4, checkpoint-8 and the final model in one folder."""
