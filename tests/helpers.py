@@ -43,6 +43,7 @@ __all__ = [
     "hf_and_fat5",
     "make_checkpoint",
     "make_hf",
+    "model_without_tokenizer",
     "padded_batch",
     "padded_seq2seq_batch",
     "relative_error",
@@ -283,6 +284,17 @@ def padded_seq2seq_batch(vocab_size, seed=1):
         "decoder_input_ids": decoder_input_ids * decoder_attention_mask,
         "decoder_attention_mask": decoder_attention_mask,
     }
+
+
+def model_without_tokenizer(model: Path, folder: Path) -> Path:
+    """A copy of the model folder ``model`` without its tokenizer (what `fat5 convert` writes of a transformers-made
+    T5)."""
+    import shutil
+
+    from fat5.folder_contents import TOKENIZER_FILES
+
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    return folder
 
 
 def benchmark_module(name: str):

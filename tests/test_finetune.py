@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DATA, FINETUNE_QUIET, REPO, ROWS, TINY, seq2seq_config
+from helpers import DATA, FINETUNE_QUIET, REPO, ROWS, TINY, model_without_tokenizer, seq2seq_config
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EvalPrediction
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -690,6 +690,11 @@ CONFIG_MISTAKES = {
     "not a FAT5 model": (
         lambda c, d: c.update(model=str(write(d / "config.json", '{"model_type": "t5"}').parent)),
         r"'t5' model, not a FAT5 one; convert it first",
+    ),
+    "model without a tokenizer": (
+        lambda c, d: c.update(model=str(model_without_tokenizer(Path(c["model"]), d / "converted"))),
+        (r"model: .*converted holds no tokenizer \(none of tokenizer.json, .*\), and the config names none: save "
+         r"the tokenizer of the checkpoint it was converted from into it, AutoTokenizer.from_pretrained\(NAME\)"),
     ),
     "unreadable data": (lambda c, d: c["data"].update(train_file=str(d / "none.jsonl")), r"cannot read"),
     "unknown data format": (

