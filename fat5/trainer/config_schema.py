@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import FAT5Error
+from .training_fields import training_argument_names, unknown_training_fields
 
 
 def about(help: str, check=None, section=None) -> dict:
@@ -94,7 +95,8 @@ POSITIVE_OR_NULL = number(integer=True, minimum=1, optional=True)
 
 
 def training_section(refused: dict):
-    """The check of a ``training`` section: a mapping of FAT5TrainingArguments fields (checked against the class by
+    """The check of a ``training`` section: a mapping of FAT5TrainingArguments fields, named as the classes' source
+    names them (`training_argument_names`; their types and values are checked against the class itself by
     `JobConfig.check_with_the_classes`), but the keys of ``refused``, each said with where its value is set
     instead."""
 
@@ -105,6 +107,9 @@ def training_section(refused: dict):
                  for key, setting in value.items()}
         for key in sorted(set(value) & set(refused)):
             raise FAT5Error(f"{name}.{key} is not set here: {refused[key]}")
+        known = training_argument_names()
+        if known is not None:
+            unknown_training_fields(value, known, name)
         return value
 
     return check
