@@ -4,7 +4,9 @@ and evaluating the final weights, and the final model saved at the top of the ou
 
 Each job is a ``prepare_*()`` function that checks what the job needs and builds everything, returning a job whose
 ``run()`` trains, evaluates and saves: ``prepare_pretraining`` (`PretrainingJob`) and ``prepare_finetuning``
-(`FinetuningJob`), with the same signature, ``(config, output_dir, *, overrides, resume, overwrite)``.
+(`FinetuningJob`), with the same signature, ``(config, output_dir, *, overrides, resume, overwrite)``. The `fat5`
+command runs them inside the job's ``begun_*()`` block, with that signature too: what the job checks and says before
+torch and transformers are imported (its config, inputs and output folder, which it locks).
 
 Under torchrun or `accelerate launch` the job is one job of several processes: the main one locks the output folder
 (`check_output_dir`) and alone writes in it, the others wait for it where they need what it wrote. Without an
