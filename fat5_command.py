@@ -79,7 +79,7 @@ def _parser(options_of: Iterable[str]) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=command.help)
-        # `main` gives the command the loader of a package it deferred; a parser built here has it loaded already
+        # `main` gives the handler the loader of the package it deferred; a parser built apart imports the package
         subparser.set_defaults(load_the_package=lambda: None)
         if name in options_of:
             getattr(importlib.import_module(command.module), command.configure)(subparser)

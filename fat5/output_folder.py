@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoints import checkpoint_steps, newest_complete_checkpoint, reached_max_steps
@@ -251,7 +251,7 @@ class _HeldLock:
 
     handle: object
     made: Path | None
-    count: int = field(default=1)
+    count: int = 1
 
 
 _HELD: dict[Path, _HeldLock] = {}

@@ -52,11 +52,11 @@ def run_job(begun, job, args: argparse.Namespace) -> dict | None:
             args.load_the_package()
             return job(args.config, args.output_dir, **options)
     except KeyboardInterrupt:
+        if output_dir is None:  # stopped before the job said anything
+            raise
         command = " ".join([f"fat5 {args.command}", *([args.config] if args.config else []),
                             *(["--output-dir", args.output_dir] if args.output_dir else []),
                             *(f"--set {override}" for override in args.overrides)])
-        if output_dir is None:  # stopped before the job said anything
-            raise
         # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
         # starts a line of its own, a progress bar may have been drawing on the last one
         print(f"\nfat5 {args.command}: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)

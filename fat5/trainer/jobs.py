@@ -34,6 +34,7 @@ def is_main_launch_process() -> bool:
 
 
 def launched_processes() -> int:
+    """How many processes the launcher started for the job (torchrun's ``WORLD_SIZE``; 1 without one)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
