@@ -96,16 +96,17 @@ def released_at_the_end(output_dir: Path) -> Iterator[None]:
 
 
 def trains_on_cpu(training: dict) -> bool:
-    """Whether the job trains on the CPU: ``training.use_cpu`` when given, else when this machine has no accelerator
-    (`training_arguments` sets it so); without an accelerator, ``use_cpu: false`` under several processes is refused:
-    it would make each process a job of its own."""
+    """Whether the job trains on the CPU: ``training.use_cpu`` when given, else when `accelerate launch` was told to
+    (its ``use_cpu``) or this machine has no accelerator (`training_arguments` sets it so); without an accelerator,
+    ``use_cpu: false`` under several processes is refused: it would make each process a job of its own."""
     import torch
 
     if training.get("use_cpu") is False and launched_processes() > 1 and not torch.accelerator.is_available():
         raise FAT5Error(f"training.use_cpu false: this machine has no GPU, and its {launched_processes()} processes "
                         "would each run a job of their own, all writing the same folder; set training.use_cpu: true "
                         "(or leave it out) to train them as one job on the CPU")
-    return training.get("use_cpu", not torch.accelerator.is_available())
+    launched_on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes", "y", "on")
+    return training.get("use_cpu", launched_on_cpu or not torch.accelerator.is_available())
 
 
 def process_state(training: dict):
