@@ -75,11 +75,14 @@ def test_the_job_says_what_it_does_before_torch_loads_and_a_value_only_transform
     ("training.max_stpes=3", "training: ['max_stpes'] not FAT5TrainingArguments field(s)"),
     ("data.max_input_lenght=64", "pretrain config: data: unknown key(s) ['max_input_lenght']; known keys: "),
     ("data.path=missing.jsonl", "the corpus missing.jsonl: no such file or folder"),
+    ("data.path=empty.jsonl", "the corpus empty.jsonl is empty: give a file that holds the texts to train on"),
 ])
 def test_a_config_mistake_is_named_before_torch_loads(mistake, said, tmp_path):
     """A config typo, in a section FAT5 declares or in the training section (whose keys are read from the source of
-    FAT5TrainingArguments' classes), or a corpus file that is not there, is named in one line without importing torch
-    (11.8 s at moderate load before, issue 50)."""
+    FAT5TrainingArguments' classes), or a corpus file that is not there or empty (a 36-line traceback from datasets'
+    JSON builder before), is named in one line without importing torch (11.8 s at moderate load before, issue 50),
+    and no output folder is left behind."""
+    (tmp_path / "empty.jsonl").write_text("")
     program = ("import sys\nfrom fat5_command import main\nstatus = main(sys.argv[1:])\n"
                "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(status)\n")
     completed = subprocess.run([sys.executable, "-c", program, "pretrain", "--output-dir", str(tmp_path / "run"),
