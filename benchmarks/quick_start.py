@@ -2,22 +2,29 @@
 
 Each run is a fresh process started as the console script starts it, its output read unbuffered and every line
 time-stamped. Cold: a fresh HOME (no Triton, Inductor, tokenizer or `datasets` cache; the cache variables that would
-point elsewhere are removed). Warm: the same HOME again, a new output folder. Per run:
+point elsewhere are removed). Warm: the same HOME again, a new output folder. Per run, where each second goes:
 
-- before the first line: imports (torch, transformers, the trainer's stack) and the job's setup until it speaks;
-- before training: the first line to the Trainer's start (tokenizer trained or loaded, corpus tokenized and packed,
-  model built); the start is the end of training less the Trainer's own ``train_runtime``, the end being the line
-  that logs it;
-- training (``train_runtime``), and within it the first step of each batch shape (``first_step_seconds``: compiling
-  FAT5's Triton kernels, cold, and Inductor's graphs on a compiled path); "other steps" is the rest of it (the other
-  steps, any evaluation during training, logging);
+- before the first line: the interpreter, the config read and checked, the output folder locked, torch not imported;
+- imports: the first line (what the job will do) to the one that names the path (eager or compiled step), which the
+  job prints once torch, transformers, accelerate and FAT5's models are imported and the device is known; a cold run
+  trains its tokenizer meanwhile, in a child process (the line "training a ... tokenizer" comes first);
+- tokenizer and data: the path line to the Trainer's start (the tokenizer's training awaited or a kept one loaded,
+  corpus tokenized and packed, model built); the start is the end of training less the Trainer's own
+  ``train_runtime``, the end being the line that logs it;
+- first steps: the first step of each batch shape (``first_step_seconds``: FAT5's Triton kernels compiled on a GPU,
+  cold, and Inductor's graphs on a compiled path), each shape's in the result file; other steps: the rest of the
+  training (the other steps, the evaluation during training, logging);
 - after training: the final evaluation, the save and its check, the process's exit.
 
-Beside the runs, in fresh interpreters: ``import fat5.trainer.pretraining`` (what the job imports before its first
-line) with ``-X importtime``'s slowest packages, and on a CUDA machine the first CUDA call (the context's start).
+Beside the runs, in fresh interpreters: ``import fat5.trainer.pretraining`` and ``import fat5`` (what the job imports
+before it trains) with ``-X importtime``'s slowest packages, and on a CUDA machine the first CUDA call (the context's
+start). ``--set KEY=VALUE`` (repeatable) passes a config change to the job, to measure another path the same way:
+``--set model.attention_backend=reference`` runs the tiny model without any of FAT5's Triton kernels, so with nothing
+to compile, which on a GPU tells whether compiling them repays itself over the quick start's 300 steps.
 
     python benchmarks/quick_start.py                  # benchmarks/results/quick_start.json and .png
     python benchmarks/quick_start.py --warm-runs 2    # a second warm run
+    python benchmarks/quick_start.py --set model.attention_backend=reference --out runs/quick_start_reference.json
 """
 
 import argparse
@@ -40,10 +47,12 @@ CONSOLE_SCRIPT = "import sys, fat5_command; sys.argv[0] = 'fat5'; sys.exit(fat5_
 # variables that would send a cold run to caches outside its fresh HOME
 CACHE_VARIABLES = ("XDG_CACHE_HOME", "HF_HOME", "HF_DATASETS_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
                    "TRANSFORMERS_CACHE", "TORCH_HOME")
-# what the job imports before its first line (timed in a fresh interpreter), and how many slowest packages are kept
-IMPORTED_BY_THE_JOB = "import fat5.trainer.pretraining"
+# what the job imports before it trains (timed in a fresh interpreter), and how many slowest packages are kept
+IMPORTED_BY_THE_JOB = "import fat5.trainer.pretraining, fat5"
 SLOWEST_IMPORTS = 12
 PROGRESS_BAR = re.compile(r"\d+%\|")
+# the line the job prints once its imports are done and the device known
+PATH_LINE = "pretraining path:"
 
 
 def timed_lines(command: list[str], environment: dict, cwd: Path, timeout: float) -> tuple[list, int, float]:
@@ -78,11 +87,12 @@ def job_environment(home: Path) -> dict:
     return environment
 
 
-def quick_start_run(name: str, home: Path, work: Path, timeout: float) -> dict:
+def quick_start_run(name: str, home: Path, work: Path, timeout: float, overrides: list[str]) -> dict:
     """One `fat5 pretrain --output-dir DIR` and where its seconds went."""
     output = work / name
     command = [sys.executable, "-c", CONSOLE_SCRIPT, "pretrain", "--output-dir", str(output)]
-    print(f"[{name}] fat5 pretrain --output-dir {output}", flush=True)
+    command += [part for override in overrides for part in ("--set", override)]
+    print(f"[{name}] fat5 pretrain --output-dir {output}", *(f"--set {override}" for override in overrides), flush=True)
     lines, status, wall = timed_lines(command, job_environment(home), work, timeout)
     if status != 0:
         tail = "\n".join(text for _, text in lines[-30:])
@@ -91,14 +101,7 @@ def quick_start_run(name: str, home: Path, work: Path, timeout: float) -> dict:
     runtime = next(entry["train_runtime"] for entry in history if "train_runtime" in entry)
     first_steps = [entry["first_step_seconds"] for entry in history if "first_step_seconds" in entry]
     losses = [entry["loss"] for entry in history if "loss" in entry]
-    training_end = next((stamp for stamp, text in lines if "train_runtime" in text), None)
-    first_line = lines[0][0] if lines else wall
-    stages = {"before the first line": first_line}
-    if training_end is not None:
-        stages["before training"] = round(training_end - runtime - first_line, 2)
-        stages["first steps"] = round(sum(first_steps), 2)
-        stages["other steps"] = round(runtime - sum(first_steps), 2)
-        stages["after training"] = round(wall - training_end, 2)
+    stages = stages_of(lines, wall, runtime, first_steps)
     print(f"[{name}] {wall:.1f} s: " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in stages.items()),
           flush=True)
     return {
@@ -113,6 +116,28 @@ def quick_start_run(name: str, home: Path, work: Path, timeout: float) -> dict:
                   if not PROGRESS_BAR.search(line[1]) or index + 1 == len(lines)
                   or not PROGRESS_BAR.search(lines[index + 1][1])],
     }
+
+
+def stages_of(lines: list, wall: float, runtime: float, first_steps: list[float]) -> dict:
+    """Seconds from the command to its exit, by stage (the module's doc says what each covers), from the job's
+    time-stamped ``lines``, its wall time, the Trainer's ``train_runtime`` and the first steps' seconds; the stages
+    that the lines do not show (an older job, a failed run) are left out."""
+    first_line = lines[0][0] if lines else wall
+    stages = {"before the first line": first_line}
+    path_line = next((stamp for stamp, text in lines if text.startswith(PATH_LINE)), None)
+    training_end = next((stamp for stamp, text in lines if "train_runtime" in text), None)
+    if training_end is None:
+        return stages
+    training_start = training_end - runtime
+    if path_line is not None:
+        stages["imports"] = round(path_line - first_line, 2)
+        stages["tokenizer and data"] = round(training_start - path_line, 2)
+    else:
+        stages["before training"] = round(training_start - first_line, 2)
+    stages["first steps"] = round(sum(first_steps), 2)
+    stages["other steps"] = round(runtime - sum(first_steps), 2)
+    stages["after training"] = round(wall - training_end, 2)
+    return stages
 
 
 def import_seconds(home: Path) -> dict:
@@ -175,6 +200,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "quick_start.json"))
     parser.add_argument("--warm-runs", type=int, default=1, help="runs after the cold one, with its caches")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is given up")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config change passed to the job (fat5 pretrain --set), e.g. "
+                        "model.attention_backend=reference; repeatable")
     args = parse_or_plot(parser, plot)
     if args is None:
         return 0
@@ -182,20 +210,20 @@ def main() -> int:
         work = Path(scratch)
         home = work / "home"
         home.mkdir()
-        runs = {"cold": quick_start_run("cold", home, work, args.timeout)}
+        runs = {"cold": quick_start_run("cold", home, work, args.timeout, args.overrides)}
         for index in range(args.warm_runs):
             name = "warm" if args.warm_runs == 1 else f"warm {index + 1}"
-            runs[name] = quick_start_run(name, home, work, args.timeout)
+            runs[name] = quick_start_run(name, home, work, args.timeout, args.overrides)
         imports = import_seconds(home)
-    results = {"runs": runs, "import_fat5_trainer_pretraining": imports, "cuda_start_seconds": cuda_start_seconds()}
+    results = {"overrides": args.overrides, "runs": runs, "imports": imports,
+               "cuda_start_seconds": cuda_start_seconds()}
     document = write_result(args.out, results)
     draw_beside(plot, document, args.out)
     rows = [{"run": name, "seconds": f"{run['wall_seconds']:.1f}",
              **{stage: f"{seconds:.1f}" for stage, seconds in run["stages_seconds"].items()}}
             for name, run in runs.items()]
     print(markdown_table(rows, list(dict.fromkeys(key for row in rows for key in row))))
-    print(f"import fat5.trainer.pretraining: {imports['wall_seconds']} s; "
-          f"CUDA's start: {results['cuda_start_seconds']} s")
+    print(f"{IMPORTED_BY_THE_JOB}: {imports['wall_seconds']} s; CUDA's start: {results['cuda_start_seconds']} s")
     print(f"written: {args.out}")
     return 0
 

@@ -9,6 +9,7 @@ It imports neither torch nor transformers, so that what reads it (the commands' 
 import functools
 import json
 import re
+import uuid
 from pathlib import Path
 
 from .errors import FAT5Error
@@ -19,10 +20,14 @@ from .errors import FAT5Error
 CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 CHECKPOINT_STAGING = ".checkpoint-staging"
-# a training job's final model is written in here, inside its output folder, then its files are moved to the top
-FINAL_MODEL_STAGING = ".final-model.tmp"
+# a training job's final model is written in a folder named `temporary_name(FINAL_MODEL_STAGING)` inside its output
+# folder, then its files are moved to the top
+FINAL_MODEL_STAGING = "final-model"
 # the same for a LoRA job's adapter merged back into its base model
-MERGED_MODEL_STAGING = ".merged-model.tmp"
+MERGED_MODEL_STAGING = "merged-model"
+# the lock a live training job holds on its output folder (`fat5.output_folder.lock_run_folder`): neither the user's
+# nor what a run leaves, whatever a killed job left of it
+RUN_LOCK = ".fat5-run.lock"
 # what makes a folder hold a model (or a PEFT adapter) that a training job would overwrite
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "adapter_config.json")
@@ -50,11 +55,19 @@ MODEL_FOLDER_FILES = frozenset({"README.md", REPORT_FILE, MANIFEST_FILE, "pytorc
 # the files a tokenizer may consist of: whichever are present travel with a converted model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "chat_template.jinja")
+# those that hold a vocabulary: a folder with none of them holds no tokenizer (the others only configure one)
+TOKENIZER_VOCABULARY_FILES = ("tokenizer.json", "spiece.model", "sentencepiece.bpe.model", "vocab.json")
 _PYTORCH_SHARD = re.compile(r"^pytorch_model-\d+-of-\d+\.bin$")
 # a file or folder being written (`.NAME.tmp`) or replaced (output_folder's `.NAME.tmp-HEX`, `.NAME.old-HEX`)
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(tmp|tmp-[0-9a-f]{8}|old-[0-9a-f]{8})$")
-# what file managers leave in any folder they show: neither the user's work nor a run's
-_FILE_MANAGER_FILES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+# what file managers leave in any folder they show, and a job's lock: neither the user's work nor a run's
+_NEITHER_USERS_NOR_RUNS = frozenset({".DS_Store", "Thumbs.db", "desktop.ini", RUN_LOCK})
+
+
+def temporary_name(name: str, kind: str = "tmp") -> str:
+    """The name of ``name`` while one process writes it (``kind`` "tmp") or removes it ("old"): hidden, and unique to
+    that process, so that no other process writes the same path; `is_run_file` knows it for ``name``'s."""
+    return f".{name}.{kind}-{uuid.uuid4().hex[:8]}"
 
 
 @functools.cache
@@ -62,6 +75,12 @@ def _remote_code_names() -> frozenset[str]:
     from .remote_code import remote_code_file_names
 
     return frozenset(remote_code_file_names())
+
+
+def is_temporary(name: str) -> bool:
+    """Whether an entry of this name is a file or folder being written or removed (`temporary_name`'s, or the
+    ``.NAME.tmp`` of older releases): one that no live process of the job holding the folder writes is a leftover."""
+    return _TEMPORARY.match(name) is not None
 
 
 def is_run_file(name: str) -> bool:
@@ -84,7 +103,7 @@ def user_files(folder: Path, written_by_fat5=is_run_file) -> list[str]:
     """The entries of ``folder`` that FAT5 does not write (by default: that no training job writes): the user's, never
     to be removed."""
     return sorted(path.name for path in folder.iterdir() if not written_by_fat5(path.name)
-                  and path.name not in _FILE_MANAGER_FILES)
+                  and path.name not in _NEITHER_USERS_NOR_RUNS)
 
 
 def read_config_json(folder: Path, missing: str, error: type[FAT5Error] = FAT5Error) -> dict:

@@ -8,19 +8,35 @@ writes (`is_model_folder_file`): one holding anything else is refused, ``--overw
 may hold the user's files beside the run's: without ``--overwrite`` such a folder is refused, and with it only what a
 run writes there (`is_run_file`) is removed. What the files are named is `fat5.folder_contents`; which checkpoints are
 complete, `fat5.checkpoints`.
+
+One job writes in a training job's output folder at a time: its main process holds a lock on the folder
+(`lock_run_folder`) from its first check to its end, and a job started on a folder that a live job holds is refused in
+one line. The lock is the kernel's (``flock``), which ends with the process that holds it: a killed job leaves no
+stale lock. Every temporary file or folder a process writes has a name of its own (`temporary_name`).
 """
 
 import contextlib
 import errno
 import os
 import shutil
-import uuid
+import socket
+import sys
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoints import checkpoint_steps, newest_complete_checkpoint, reached_max_steps
 from .errors import FAT5Error
-from .folder_contents import MODEL_FILES, is_model_folder_file, is_run_file, user_files
+from .folder_contents import (
+    MODEL_FILES,
+    RUN_LOCK,
+    is_model_folder_file,
+    is_run_file,
+    is_temporary,
+    temporary_name,
+    user_files,
+)
 
 # below this much free space, a write that failed without an errno (torch's zip writer says only "unexpected pos")
 # is taken for a full disk
@@ -63,7 +79,17 @@ def check_output_folder(out, *, overwrite: bool = False, inputs: Iterable = (), 
 
 
 def _sibling(out: Path, kind: str) -> Path:
-    return out.parent / f".{out.name}.{kind}-{uuid.uuid4().hex[:8]}"
+    return out.parent / temporary_name(out.name, kind)
+
+
+def write_atomically(path: Path, content: bytes) -> None:
+    """``path`` holds ``content`` whole or keeps what it held: written under a name of this process's, then renamed."""
+    temporary = path.with_name(temporary_name(path.name))
+    try:
+        temporary.write_bytes(content)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def is_disk_full(error: BaseException, folder) -> bool:
@@ -195,7 +221,11 @@ def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, in
     if overwrite and resume:
         raise FAT5Error("--overwrite starts the run over and --resume continues it: pass one of them")
     out = check_output_folder(out, overwrite=overwrite, inputs=inputs, inside_inputs_ok=True, non_empty_ok=True)
-    if resume or not out.is_dir():
+    if not out.is_dir():
+        return out
+    if main_process:
+        _remove_leftover_temporaries(out)
+    if resume:
         return out
     if overwrite:
         if main_process and any(is_run_file(path.name) for path in out.iterdir()):
@@ -214,22 +244,125 @@ def prepare_run_folder(out, *, overwrite: bool = False, resume: bool = False, in
     return out
 
 
+@dataclass
+class _HeldLock:
+    """A lock this process holds on a run folder: its open lock file, how many times it was taken, and the highest
+    folder that taking it made (removed with the lock when it holds nothing else)."""
+
+    handle: object
+    made: Path | None
+    count: int = 1
+
+
+_HELD: dict[Path, _HeldLock] = {}
+
+
+def lock_run_folder(out) -> Path:
+    """Lock the training job's output folder ``out`` for this process, making it when it is missing; returns it
+    absolute. A folder that a live job holds is refused in one line naming that job. A process that holds the lock
+    may take it again (`unlock_run_folder` then releases it as many times)."""
+    try:
+        import fcntl
+    except ModuleNotFoundError:  # Windows has no flock: its jobs run unlocked
+        fcntl = None
+    out = Path(out).expanduser().absolute()
+    if out in _HELD:
+        _HELD[out].count += 1
+        return out
+    made = next((folder for folder in reversed([out, *out.parents]) if not folder.exists()), None)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RUN_LOCK
+    while fcntl is not None:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115  (the lock lasts as long as the file is open)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(handle)
+            handle.close()
+            raise FAT5Error(f"{out} is being written by another job ({holder}): wait for it to end, or choose "
+                            "another output folder") from None
+        # a job that released the lock between this open and this flock removed the file this handle holds
+        if path.exists() and os.path.samestat(os.fstat(handle.fileno()), path.stat()):
+            break
+        handle.close()
+    else:
+        _HELD[out] = _HeldLock(None, made)
+        return out
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                 f"{' '.join(sys.argv)}")
+    handle.flush()
+    _HELD[out] = _HeldLock(handle, made)
+    return out
+
+
+def _lock_holder(handle) -> str:
+    """Who holds the lock file ``handle`` is open on, as its holder wrote it just after taking the lock."""
+    for _ in range(20):
+        handle.seek(0)
+        holder = handle.read().strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    return "a process that has not said which"
+
+
+def unlock_run_folder(out) -> None:
+    """Release a lock `lock_run_folder` took; the last release removes the lock file, and the folders that taking it
+    made when they hold nothing else (a job refused before its first write leaves no folder behind)."""
+    out = Path(out).expanduser().absolute()
+    held = _HELD.get(out)
+    if held is None:
+        return
+    held.count -= 1
+    if held.count:
+        return
+    del _HELD[out]
+    # removed while still held: a job waiting on this file finds it gone, and locks a new one
+    if held.handle is not None:
+        (out / RUN_LOCK).unlink(missing_ok=True)
+        held.handle.close()
+    if held.made is not None:
+        for folder in [out, *out.parents]:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+            if folder == held.made:
+                break
+
+
+def _remove_leftover_temporaries(out: Path) -> None:
+    """What a killed run left half-written at the top of ``out`` (its temporary files and folders), removed by the
+    job that holds the folder's lock: no other process writes them."""
+    for path in out.iterdir():
+        if is_temporary(path.name) and is_run_file(path.name) and path.is_dir():
+            shutil.rmtree(path)
+        elif is_temporary(path.name) and is_run_file(path.name):
+            path.unlink()
+
+
 def move_into(temporary: Path, out: Path) -> None:
     """Move the files of the finished folder ``temporary`` to the top of ``out`` (same disk), replacing a model
-    already there: its files go first and config.json comes last, so a kill between leaves a folder without
-    config.json (no model, and the checkpoints still there), never one with a config and the wrong weights."""
-    for name in MODEL_FILES:
-        if (out / name).is_file():
-            (out / name).unlink()
-    for path in out.glob("model-*.safetensors"):
-        path.unlink()
+    already there, so that a kill at any moment leaves a model that loads: each file replaces its namesake in one
+    rename, config.json last, and the previous model's weight files that the new one lacks (other shards) are
+    removed just before it. A kill between leaves the previous model or, for the instants of those renames, the new
+    weights under the previous config.json: the same model's, since only ``--resume`` saves over a model."""
     names = sorted((path.name for path in temporary.iterdir()), key=lambda name: name == "config.json")
-    for name in names:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(temporary / name, target)
+    weights = [out / name for name in MODEL_FILES if name != "config.json"] + list(out.glob("model-*.safetensors"))
+    stale = [path for path in weights if path.is_file() and path.name not in names]
+    *first, last = names
+    for name in first:
+        _replace(temporary / name, out / name)
+    for path in stale:
+        path.unlink()
+    _replace(temporary / last, out / last)
     temporary.rmdir()
+
+
+def _replace(source: Path, target: Path) -> None:
+    if target.is_dir():
+        shutil.rmtree(target)
+    os.replace(source, target)
 
 
 def final_model_disk_full_error(run_dir: Path) -> FAT5Error:

@@ -12,6 +12,13 @@ package and in a folder loaded as remote code; ``fat5 bundle`` writes the same f
 import ast
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Never run: this line is for transformers' scan of the remote code's imports (a regular expression), which
+    # makes it copy pipeline_fat5.py wherever it saves a model loaded as remote code (save_pretrained, Trainer
+    # checkpoints, push_to_hub, PEFT's merged save: its custom_object_save), as the config's custom_pipelines name it
+    from .pipeline_fat5 import Text2TextGenerationPipeline  # noqa: F401
 
 PACKAGE = "fat5"
 ROOT_FILES = ("configuration_fat5.py", "modeling_fat5.py", "position_encoding.py", "token_layout.py",

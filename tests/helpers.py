@@ -43,6 +43,7 @@ __all__ = [
     "hf_and_fat5",
     "make_checkpoint",
     "make_hf",
+    "model_without_tokenizer",
     "padded_batch",
     "padded_seq2seq_batch",
     "relative_error",
@@ -285,6 +286,17 @@ def padded_seq2seq_batch(vocab_size, seed=1):
     }
 
 
+def model_without_tokenizer(model: Path, folder: Path) -> Path:
+    """A copy of the model folder ``model`` without its tokenizer (what `fat5 convert` writes of a transformers-made
+    T5)."""
+    import shutil
+
+    from fat5.folder_contents import TOKENIZER_FILES
+
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns(*TOKENIZER_FILES))
+    return folder
+
+
 def benchmark_module(name: str):
     """``benchmarks/NAME.py`` imported as a module (the benchmarks are scripts, not a package)."""
     specification = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
@@ -309,10 +321,12 @@ sys.meta_path.insert(0, BlockFat5())
 """
 
 
-def run_isolated(script: str, *args, tmp: Path) -> subprocess.CompletedProcess:
-    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`."""
+def run_isolated(script: str, *args, tmp: Path, environment: dict | None = None) -> subprocess.CompletedProcess:
+    """`script` in a fresh isolated interpreter (no PYTHONPATH, no cwd on sys.path), remote-code cache under `tmp`,
+    offline unless ``environment`` (variables set on top) says otherwise."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_MODULES_CACHE=str(tmp / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(environment or {})
     return subprocess.run(
         [sys.executable, "-I", "-c", script, *map(str, args)],
         env=env,

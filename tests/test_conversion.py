@@ -454,12 +454,14 @@ def test_command_line_handlers(converted, tmp_path, capsys):
 
 
 def test_a_source_without_a_tokenizer_is_said(converted, tmp_path):
-    """A model converted without its tokenizer cannot be used or shared as it is: the conversion (and the export)
-    says so in a note, which `fat5 convert` prints; a source with one gets no such note and carries it over."""
+    """A model converted without its tokenizer cannot be used, finetuned or shared as it is: the conversion (and the
+    export) says so in a note, which `fat5 convert` prints, with how to add it; a source with one gets no such note and
+    carries it over."""
     from helpers import word_tokenizer
 
     source, fat5_dir, result = converted["t5"]
-    assert any("holds no tokenizer files" in note for note in result.notes)
+    [note] = [note for note in result.notes if "holds no tokenizer files" in note]
+    assert "save the tokenizer the checkpoint was trained with into it: AutoTokenizer.from_pretrained(NAME)" in note
     exported = export_hf(fat5_dir, tmp_path / "exported", verify=False)
     assert any("holds no tokenizer files" in note for note in exported.notes)
     with_tokenizer = _copy_tree(source, tmp_path / "with-tokenizer")

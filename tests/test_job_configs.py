@@ -59,3 +59,14 @@ def test_an_unquoted_no_is_read_as_the_strategy_it_names():
     """YAML 1.1 reads `save_strategy: no` as false; both jobs take it for "no"."""
     assert PretrainConfig.load(None, {"training": {"save_strategy": False}}).training["save_strategy"] == "no"
     assert FinetuneConfig.load(FINETUNE, ["training.eval_strategy=no"]).training["eval_strategy"] == "no"
+
+
+def test_the_training_fields_read_from_the_source_are_the_classes():
+    """The training section's keys are checked, in a job's first second, against names read from the source of
+    FAT5TrainingArguments and the classes it extends: they must be the fields the class has."""
+    import typing
+
+    from fat5.trainer.trainer import FAT5TrainingArguments
+    from fat5.trainer.training_fields import training_argument_names
+
+    assert training_argument_names() == set(typing.get_type_hints(FAT5TrainingArguments))

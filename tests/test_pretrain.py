@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import SMALL_PRETRAIN, TINY_PRETRAIN
@@ -46,6 +47,30 @@ def test_default_job_learns_and_saves_a_loadable_model(default_run):
     batch = tokenizer(["[S] To be, or not to be"], return_tensors="pt")
     generated = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert generated.shape == (1, 9)
+
+
+def test_the_quick_start_says_what_it_does_at_once_and_draws_no_progress_bar(default_run):
+    """Its first line says what the job does before torch and transformers load (issue 50), the tokenizer is trained
+    (or loaded) once, by the training begun then; its output, read from a pipe, holds no progress bar; and its summary
+    claims no compilation on the CPU's eager step."""
+    _, completed = default_run
+    lines = completed.stdout.splitlines()
+    assert lines[0] == ("pretraining 300 steps on the built-in Shakespeare plays, into outputs/fat5-tiny (loading "
+                        "torch and transformers)")
+    assert len([line for line in lines if line.startswith(("training a", "tokenizer:"))]) == 1
+    assert "%|" not in completed.stdout + completed.stderr and "it/s]" not in completed.stdout + completed.stderr
+    assert "compilation" not in completed.stdout
+
+
+def test_the_tokenizer_begun_before_the_imports_trains_on_the_jobs_texts():
+    """`begun_pretraining` reads the built-in corpus without `datasets`: the texts it trains the tokenizer on are the
+    ones the job's `datasets` corpus gives it, in their order (else the job would train a second one)."""
+    from fat5.trainer.data import shakespeare_training_texts
+    from fat5.trainer.pretraining import load_corpus
+
+    settings = load_pretrain_config()
+    train, _ = load_corpus(settings.data, settings.seed)
+    assert shakespeare_training_texts(settings.data.unit, settings.data.eval_fraction, settings.seed) == train["text"]
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +191,10 @@ def test_ctrl_c_says_how_to_resume(straight_run, tmp_path, monkeypatch, capsys):
     from fat5.trainer import pretraining as pretrain_module
 
     output, _ = straight_run
-    shutil.copytree(output / "checkpoint-4", tmp_path / "run" / "checkpoint-4")
 
-    def interrupted(*args, **kwargs):
+    def interrupted(config, output_dir, **options):  # a run stopped after writing checkpoint-4 (none in "empty")
+        if Path(output_dir).name == "run":
+            shutil.copytree(output / "checkpoint-4", Path(output_dir) / "checkpoint-4")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pretrain_module, "pretrain", interrupted)
@@ -294,8 +320,10 @@ def test_new_shapes_first_steps_are_kept_in_the_log_and_said_once_at_the_end(tmp
     print_closing_summary(summary, output, elapsed=1.0)
     closing = [line for line in capfd.readouterr().out.splitlines() if "new batch shapes" in line]
     total = sum(entry["first_step_seconds"] for entry in first_steps)
-    assert closing == [(f"new batch shapes: {len(first_steps)}, their first steps (compilation included) took "
-                       f"{total:.1f} s in all, {max(e['first_step_seconds'] for e in first_steps):.1f} s at most")]
+    # the eager step on the CPU compiles nothing
+    assert summary["first_steps_compile"] is False
+    assert closing == [(f"new batch shapes: {len(first_steps)}, their first steps took {total:.1f} s in all, "
+                        f"{max(e['first_step_seconds'] for e in first_steps):.1f} s at most")]
 
 
 # the README's quick start in small: the built-in save_total_limit of 1 keeps only the newest checkpoint, and the run

@@ -54,3 +54,19 @@ def test_the_slowest_imports_are_counted_by_package(quick_start, tmp_path, monke
     assert next(iter(imports["slowest_seconds"])) == "slow_package"
     assert not [name for name in imports["slowest_seconds"] if "." in name]
     assert imports["wall_seconds"] >= max(imports["slowest_seconds"].values())
+
+
+def test_each_second_is_placed_in_one_stage(quick_start):
+    # the job's lines as a run stamps them: its first at 0.3 s, the path line once the imports are done, the
+    # Trainer's runtime logged at 40 s, the process ending at 42 s
+    lines = [[0.3, "pretraining 300 steps on the built-in Shakespeare plays, into out (loading torch and ...)"],
+             [0.6, "training a 1024-token tokenizer on the corpus"],
+             [6.3, "pretraining path: eager step, 5 batch shapes (compile.mode auto: ...)"],
+             [40.0, "{'train_runtime': 30.0, 'train_loss': 5.5}"], [41.5, "model and tokenizer saved to out"]]
+    stages = quick_start.stages_of(lines, wall=42.0, runtime=30.0, first_steps=[3.0, 1.0])
+    assert stages == {"before the first line": 0.3, "imports": 6.0, "tokenizer and data": 3.7, "first steps": 4.0,
+                      "other steps": 26.0, "after training": 2.0}
+    assert sum(stages.values()) == pytest.approx(42.0)
+    # a job that names no path (an older one): the imports are not told apart from the rest before training
+    older = quick_start.stages_of([line for line in lines if "path" not in line[1]], 42.0, 30.0, [3.0, 1.0])
+    assert older["before training"] == pytest.approx(9.7) and "imports" not in older

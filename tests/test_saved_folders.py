@@ -1,8 +1,10 @@
 """What a Hugging Face user does with a FAT5 model writes a folder that loads where fat5 and triton cannot be
 imported (issue 41): `save_pretrained` of the package's class, `transformers.Trainer.save_model`, `push_to_hub` and
-`save_pretrained(push_to_hub=True)` (uploads recorded by a local stand-in for the Hub). The folders are loaded in one
-fresh process that blocks fat5 and triton, and compared with the model that was saved; the pipeline they name answers
-as `generate` and decoding do.
+`save_pretrained(push_to_hub=True)` (uploads recorded by a local stand-in for the Hub); and the same model loaded as
+remote code, in a process without fat5 (the Hub user's route), saved again by `save_pretrained`, a Trainer checkpoint,
+`push_to_hub` and PEFT's merged save (issue 50: every file its config.json names, pipeline_fat5.py among them). The
+folders are loaded in one fresh process that blocks fat5 and triton, and compared with the model that was saved; the
+pipeline they name answers as `generate` and decoding do.
 """
 
 import json
@@ -42,6 +44,32 @@ torch.save(results, out_file)
 """
 
 
+# the model loaded as remote code where fat5 and triton cannot be imported, then saved again each way a Hugging Face
+# user saves it; the Trainer trains one step at learning rate 0 (its checkpoint keeps the weights), and LoRA's B
+# matrices start at zero (the merged model keeps them too)
+RESAVE_WITHOUT_FAT5_OR_TRITON = BLOCK_FAT5 + r"""
+sys.modules["triton"] = None
+import peft, transformers
+
+source, out, repo = sys.argv[1:]
+model = transformers.AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=True)
+tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+model.save_pretrained(f"{out}/save_pretrained")
+tokenizer.save_pretrained(f"{out}/save_pretrained")
+arguments = transformers.Seq2SeqTrainingArguments(f"{out}/trainer", max_steps=1, learning_rate=0.0, save_steps=1,
+                                                  report_to="none", use_cpu=True, disable_tqdm=True)
+examples = [{"input_ids": [5, 17, 1], "labels": [9, 1]}] * 2
+transformers.Seq2SeqTrainer(model=model, args=arguments, train_dataset=examples, processing_class=tokenizer,
+                            data_collator=transformers.DataCollatorForSeq2Seq(tokenizer)).train()
+model.push_to_hub(repo)
+tokenizer.push_to_hub(repo)
+lora = peft.LoraConfig(task_type="SEQ_2_SEQ_LM", target_modules=["q", "v"])
+merged = peft.get_peft_model(model, lora).merge_and_unload()
+merged.save_pretrained(f"{out}/peft_merged")
+tokenizer.save_pretrained(f"{out}/peft_merged")
+"""
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -67,8 +95,8 @@ def _write(files: dict, folder):
     return folder
 
 
-def test_every_way_of_saving_writes_a_folder_that_loads_without_fat5(model, hub, tmp_path):  # noqa: F811
-    tokenizer = word_tokenizer()
+def _saved_with_fat5(model, tokenizer, hub, tmp_path) -> dict:  # noqa: F811
+    """The folders the package's model is saved in, by name."""
     folders = {}
     model.save_pretrained(tmp_path / "save_pretrained")
     tokenizer.save_pretrained(tmp_path / "save_pretrained")
@@ -87,12 +115,36 @@ def test_every_way_of_saving_writes_a_folder_that_loads_without_fat5(model, hub,
     uploaded = commits[2][1]
     assert {"config.json", "modeling_fat5.py", "attention.py", "pipeline_fat5.py"} <= set(uploaded)
     folders["save_pretrained(push_to_hub=True)"] = _write({**uploaded, **commits[1][1]}, tmp_path / "saved_pushed")
+    return folders
+
+
+def _saved_as_remote_code(source, hub, tmp_path) -> dict:  # noqa: F811
+    """The folders the model loaded from ``source`` as remote code, without fat5, is saved in, by name."""
+    before = len(hub.commits())
+    out = tmp_path / "as_remote_code"
+    completed = run_isolated(RESAVE_WITHOUT_FAT5_OR_TRITON, source, out, "someone/fat5-resaved", tmp=tmp_path,
+                             environment={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    commits = hub.commits()[before:]
+    assert len(commits) == 2
+    return {"remote code: save_pretrained": out / "save_pretrained",
+            "remote code: Trainer checkpoint": out / "trainer" / "checkpoint-1",
+            "remote code: push_to_hub": _write({**commits[0][1], **commits[1][1]}, tmp_path / "resaved_pushed"),
+            "remote code: PEFT merged": out / "peft_merged"}
+
+
+def test_every_way_of_saving_writes_a_folder_that_loads_without_fat5(model, hub, tmp_path):  # noqa: F811
+    tokenizer = word_tokenizer()
+    folders = _saved_with_fat5(model, tokenizer, hub, tmp_path)
+    folders.update(_saved_as_remote_code(folders["save_pretrained"], hub, tmp_path))
 
     code = {p.name for p in (tmp_path / "save_pretrained").glob("*.py")}
     for name, folder in folders.items():
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_fat5.FAT5ForConditionalGeneration", name
-        assert {p.name for p in folder.glob("*.py")} == code, name
+        named = {entry["impl"].partition(".")[0] + ".py" for entry in config["custom_pipelines"].values()}
+        named |= {path.partition(".")[0] + ".py" for path in config["auto_map"].values()}
+        assert named <= {p.name for p in folder.glob("*.py")} == code, name
 
     batch = {key: torch.tensor(value) for key, value in tokenizer(TEXTS, padding=True).items()}
     batch["decoder_input_ids"] = torch.tensor([[0, 5, 9, 11], [0, 3, 3, 4]])

@@ -498,7 +498,8 @@ def test_bare_decoder_stack_returns_a_cache_and_continues_from_it():
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
 
 
-# 12. finetuning data from a save_to_disk folder or a datasets.Dataset, as pretraining takes it
+# 12. finetuning data from a save_to_disk folder, a folder of data files or a datasets.Dataset, as pretraining takes
+# it, and each split's files in a format of their own
 
 
 def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_model):
@@ -530,8 +531,24 @@ def test_finetune_reads_save_to_disk_folders_and_dataset_objects(tmp_path, tiny_
     )
     assert len(from_dict["train"]) == 20 and from_dict["validation"].to_list() == whole.select(range(20, 30)).to_list()
     (tmp_path / "not_saved").mkdir()
-    with pytest.raises(FAT5Error, match="not one written by datasets' save_to_disk"):
+    with pytest.raises(FAT5Error, match="neither one that datasets' save_to_disk wrote nor one of data files"):
         load_raw_datasets(load_finetune_config(config(str(tmp_path / "not_saved"))).data)
+
+    # a folder of data files, as datasets.load_dataset(folder) reads it (its train and validation files by name)
+    files = tmp_path / "files"
+    files.mkdir()
+    whole.select(range(20)).to_json(files / "train.jsonl")
+    whole.select(range(20, 30)).to_json(files / "validation.jsonl")
+    from_files = load_raw_datasets(load_finetune_config(config(str(files), str(files))).data)
+    assert from_files["train"].to_list() == whole.select(range(20)).to_list()
+    assert from_files["validation"].to_list() == whole.select(range(20, 30)).to_list()
+    # a JSONL train_file beside a CSV validation_file: each read by its own format
+    whole.select(range(20, 30)).to_csv(tmp_path / "validation.csv", index=False)
+    mixed = load_raw_datasets(load_finetune_config(config(str(files / "train.jsonl"), str(tmp_path / "validation.csv"))
+                                                   ).data)
+    for column in ("document", "summary"):  # CSV keeps text; the list columns come back as their text
+        assert mixed["validation"][column] == whole.select(range(20, 30))[column]
+    assert mixed["train"].to_list() == whole.select(range(20)).to_list()
 
     result = finetune(config(whole.select(range(16)), max_steps=2))
     assert any(entry.get("train_loss", 0) > 0 for entry in result["log_history"])

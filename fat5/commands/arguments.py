@@ -3,6 +3,7 @@
 taken from the parsed options of the same names."""
 
 import argparse
+import os
 import sys
 
 from ..conversion_defaults import DEFAULT_MAX_SHARD_SIZE
@@ -32,35 +33,38 @@ def add_job_options(parser: argparse.ArgumentParser, output_dir_default: str) ->
                         "repeatable")
 
 
-def run_job(job, args: argparse.Namespace, output_dir_of) -> dict | None:
-    """``job(args.config, args.output_dir, overrides=..., resume=..., overwrite=...)``'s result; None when Ctrl-C
-    stopped it, after one line saying how to continue (``output_dir_of(args)``: the folder the job writes). A full disk
-    met outside the jobs' own checkpoint and final writes (a tokenizer, a record) is said in one line as well."""
+def run_job(begun, job, args: argparse.Namespace) -> dict | None:
+    """``job(args.config, args.output_dir, overrides=..., resume=..., overwrite=...)``'s result, once the job has
+    begun (``begun``, its context manager, given the same arguments: its config and inputs checked, its output folder
+    locked and the job said in a line, before the package, torch and transformers load: ``args.load_the_package``);
+    None when Ctrl-C stopped it, after one line saying how to continue. A full disk met outside the jobs' own checkpoint
+    and final writes (a tokenizer, a record) is said in one line as well."""
     from ..output_folder import disk_full_error, is_disk_full, resume_hint
 
+    options = {"overrides": args.overrides, "resume": args.resume, "overwrite": args.overwrite}
+    if not sys.stderr.isatty():
+        # redrawn progress bars written to a file or a pipe are noise (24 KB of them in the quick start's log): its
+        # lines (the logs, the job's own) stay. tqdm reads this for every bar (the Trainer's, datasets', the Hub's)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    output_dir = None
     try:
-        return job(args.config, args.output_dir, overrides=args.overrides, resume=args.resume,
-                   overwrite=args.overwrite)
+        with begun(args.config, args.output_dir, **options) as output_dir:
+            args.load_the_package()
+            return job(args.config, args.output_dir, **options)
     except KeyboardInterrupt:
+        if output_dir is None:  # stopped before the job said anything
+            raise
         command = " ".join([f"fat5 {args.command}", *([args.config] if args.config else []),
                             *(["--output-dir", args.output_dir] if args.output_dir else []),
                             *(f"--set {override}" for override in args.overrides)])
         # this line says it all: returning (not raising) keeps `fat5` from adding an "interrupted" of its own; it
         # starts a line of its own, a progress bar may have been drawing on the last one
-        print(f"\nfat5 {args.command}: interrupted; {resume_hint(command, output_dir_of(args))}", file=sys.stderr,
-              flush=True)
+        print(f"\nfat5 {args.command}: interrupted; {resume_hint(command, output_dir)}", file=sys.stderr, flush=True)
         return None
     except OSError as error:
-        if not is_disk_full(error, output_dir_of(args)):
+        if output_dir is None or not is_disk_full(error, output_dir):
             raise
-        raise disk_full_error(output_dir_of(args), f"writing {error.filename or 'a file'} failed") from None
-
-
-def is_main_process() -> bool:
-    """Whether this process reports a job's result: under `accelerate launch` every process returns from the job."""
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+        raise disk_full_error(output_dir, f"writing {error.filename or 'a file'} failed") from None
 
 
 def options_of(args: argparse.Namespace, *names: str) -> dict:

@@ -3,7 +3,8 @@
 import argparse
 
 from ..trainer.finetune_config import FinetuneConfig
-from .arguments import add_job_options, is_main_process, run_job
+from ..trainer.jobs import is_main_launch_process
+from .arguments import add_job_options, run_job
 
 
 def configure_finetune(parser: argparse.ArgumentParser) -> None:
@@ -19,18 +20,13 @@ def configure_finetune(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=_run_finetune)
 
 
-def _output_dir(args: argparse.Namespace) -> str:
-    return args.output_dir or FinetuneConfig.load(args.config, args.overrides).output_dir
-
-
 def _run_finetune(args: argparse.Namespace) -> int:
-    # here, not at the top: `fat5 finetune --help` imports this module without torch, which the job imports
-    from ..trainer.finetuning import finetune
+    from ..trainer.finetuning import begun_finetuning, finetune
 
-    result = run_job(finetune, args, _output_dir)
+    result = run_job(begun_finetuning, finetune, args)
     if result is None:
         return 130
-    if is_main_process():
+    if is_main_launch_process():
         for name in ("model_dir", "adapter_dir", "merged_dir", "bundle_dir"):
             if result[name]:
                 print(f"{name.removesuffix('_dir')}: {result[name]}")

@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from ..trainer import pretraining as pretrain_job
+from ..trainer.jobs import is_main_launch_process
 from ..trainer.pretrain_config import PretrainConfig
-from .arguments import add_job_options, is_main_process, run_job
+from .arguments import add_job_options, run_job
 
 
 def configure_pretrain(parser: argparse.ArgumentParser) -> None:
@@ -28,11 +29,11 @@ def _output_dir(args: argparse.Namespace) -> str:
 
 def _run_pretrain(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    summary = run_job(pretrain_job.pretrain, args, _output_dir)
+    summary = run_job(pretrain_job.begun_pretraining, pretrain_job.pretrain, args)
     if summary is None:
         return 130
     # one process reports (and draws the curve, which the others would rename from under it)
-    if is_main_process():
+    if is_main_launch_process():
         print_closing_summary(summary, Path(_output_dir(args)), time.perf_counter() - start)
     return 0
 
@@ -57,10 +58,11 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
         print(f"throughput: {speeds[len(speeds) // 2]:,.0f} tokens/s (median of {len(speeds)} logged windows)")
     first_steps = [entry["first_step_seconds"] for entry in summary["log_history"] if "first_step_seconds" in entry]
     if first_steps:
-        print(f"new batch shapes: {len(first_steps)}, their first steps (compilation included) took "
-              f"{sum(first_steps):.1f} s in all, {max(first_steps):.1f} s at most")
+        compiling = " (compilation included)" if summary["first_steps_compile"] else ""
+        print(f"new batch shapes: {len(first_steps)}, their first steps{compiling} took {sum(first_steps):.1f} s in "
+              f"all, {max(first_steps):.1f} s at most")
     print(f"model and tokenizer saved to {summary['output']}")
-    print(f"summary and log history: {output_dir / 'pretrain_summary.json'}")
+    print(f"summary and log history: {output_dir / pretrain_job.SUMMARY_FILE}")
     curve = output_dir / "loss_curve.png"
     if plot_loss_curve(summary["log_history"], curve):
         print(f"loss curve: {curve}")
@@ -68,4 +70,4 @@ def print_closing_summary(summary: dict, output_dir: Path, elapsed: float) -> No
         # matplotlib is in the dev extra only: a plain install gets the one command that draws the curve later
         python = shlex.quote(sys.executable)
         print(f"no loss curve drawn: matplotlib is not installed; after `{python} -m pip install matplotlib`, "
-              f"`{loss_curve_command(output_dir / 'pretrain_summary.json')}` draws it")
+              f"`{loss_curve_command(output_dir / pretrain_job.SUMMARY_FILE)}` draws it")

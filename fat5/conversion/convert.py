@@ -229,11 +229,13 @@ def _embedding(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
 
 
 def _note_a_missing_tokenizer(copied: list[str], source, notes: list[str]) -> None:
-    """A model without its tokenizer converts, but cannot be used or shared as it is: the user is told at once."""
+    """A model without its tokenizer converts, but cannot be used, finetuned or shared as it is: the user is told at
+    once, and how to add it."""
     if not set(copied) & set(TOKENIZER_FILES):
         notes.append(f"{source} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...): the output holds "
-                     "the model alone; save its tokenizer into it (tokenizer.save_pretrained(OUT)) before using or "
-                     "pushing it")
+                     "the model alone; before finetuning, using or pushing it, save the tokenizer the checkpoint was "
+                     "trained with into it: AutoTokenizer.from_pretrained(NAME).save_pretrained(OUT), NAME its Hub "
+                     "name or folder (google-t5/t5-small for T5's, google/mt5-small for mT5's)")
 
 
 def _tie_and_scale(raw: dict, tensors: dict[str, torch.Tensor], notes: list[str]) -> tuple[bool, bool]:

@@ -6,6 +6,11 @@ A configuration is a dataclass of its keys on `JobConfig`. A field's metadata is
 the value and the key's name as messages say it, and returns the value to keep or raises FAT5Error. A field whose
 default is a dataclass is a section, checked key by key in turn; ``about(help, section=cls)`` marks a section that
 stays None unless the config gives it.
+
+The checks of this module import neither torch nor transformers, so that a job says what is wrong with its config
+in its first second (`JobConfig.read`); what only transformers' classes can check (the ``training`` section against
+FAT5TrainingArguments, a model section against FAT5Config) is `JobConfig.check_with_the_classes`, which
+`JobConfig.load` adds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import FAT5Error
+from .training_fields import training_argument_names, unknown_training_fields
 
 
 def about(help: str, check=None, section=None) -> dict:
@@ -89,19 +95,21 @@ POSITIVE_OR_NULL = number(integer=True, minimum=1, optional=True)
 
 
 def training_section(refused: dict):
-    """The check of a ``training`` section: FAT5TrainingArguments fields (`check_training_arguments`), but the keys of
-    ``refused``, each said with where its value is set instead."""
+    """The check of a ``training`` section: a mapping of FAT5TrainingArguments fields, named as the classes' source
+    names them (`training_argument_names`; their types and values are checked against the class itself by
+    `JobConfig.check_with_the_classes`), but the keys of ``refused``, each said with where its value is set
+    instead."""
 
     def check(value, name):
-        from .trainer import check_training_arguments
-
         value = mapping_of("FAT5TrainingArguments fields")(value, name)
         # YAML 1.1 reads an unquoted `no` as false, and no *_strategy field is a boolean
         value = {key: "no" if key.endswith("_strategy") and setting is False else setting
                  for key, setting in value.items()}
         for key in sorted(set(value) & set(refused)):
             raise FAT5Error(f"{name}.{key} is not set here: {refused[key]}")
-        check_training_arguments(value, where=name)
+        known = training_argument_names()
+        if known is not None:
+            unknown_training_fields(value, known, name)
         return value
 
     return check
@@ -252,7 +260,21 @@ class JobConfig:
         """The checked configuration: ``config`` (a YAML path, a mapping, or None for the defaults) updated by
         ``overrides`` (a mapping of sections, e.g. ``{"training": {"max_steps": 50}}``, or ``KEY=VALUE`` strings,
         e.g. ``["training.max_steps=50"]``), key by key; a mistake raises FAT5Error naming the key."""
+        loaded = cls.read(config, overrides)
+        loaded.check_with_the_classes()
+        return loaded
+
+    @classmethod
+    def read(cls, config=None, overrides=None):
+        """`load` but `check_with_the_classes`: every check that imports neither torch nor transformers."""
         return cls.from_mapping(cls.updated(read_config(config, cls.WHAT), overrides_as_sections(overrides)))
+
+    def check_with_the_classes(self) -> None:
+        """The checks that need transformers' classes: the ``training`` section's fields, types and ranges
+        (`fat5.trainer.trainer.check_training_arguments`)."""
+        from .trainer import check_training_arguments
+
+        check_training_arguments(self.training, where="training")
 
     @classmethod
     def updated(cls, raw: dict, overrides: dict) -> dict:

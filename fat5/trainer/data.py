@@ -55,21 +55,38 @@ def shakespeare_documents(unit: str = "scene") -> Iterator[dict]:
                 yield {"text": text, "play": path.stem, "genre": path.parent.name}
 
 
+def held_out_plays(documents: Sequence[dict], test_fraction: float, seed: int) -> set[str]:
+    """The plays of ``documents`` that `load_shakespeare` holds out for its test split (none for a fraction of 0)."""
+    import numpy as np
+
+    if test_fraction <= 0.0:
+        return set()
+    plays = sorted({d["play"] for d in documents})
+    order = np.random.default_rng(seed).permutation(len(plays))
+    return {plays[i] for i in order[: max(1, round(test_fraction * len(plays)))]}
+
+
+def shakespeare_training_texts(unit: str = "scene", test_fraction: float = 0.0, seed: int = 0) -> list[str]:
+    """The texts of `load_shakespeare`'s training split, in its order, read without `datasets` (what a job trains its
+    tokenizer on, begun before its imports)."""
+    documents = list(shakespeare_documents(unit))
+    held_out = held_out_plays(documents, test_fraction, seed)
+    return [document["text"] for document in documents if document["play"] not in held_out]
+
+
 def load_shakespeare(unit: str = "scene", test_fraction: float = 0.0, seed: int = 0):
     """The built-in corpus as a ``datasets.Dataset`` (or a ``DatasetDict`` with ``train``/``test`` splits).
 
-    With ``test_fraction > 0`` whole plays are held out, so the test split shares no scene with training.
+    With ``test_fraction > 0`` whole plays are held out (`held_out_plays`), so the test split shares no scene with
+    training.
     """
     import datasets
-    import numpy as np
 
     documents = list(shakespeare_documents(unit))
     dataset = datasets.Dataset.from_list(documents)
     if test_fraction <= 0.0:
         return dataset
-    plays = sorted({d["play"] for d in documents})
-    order = np.random.default_rng(seed).permutation(len(plays))
-    held_out = {plays[i] for i in order[: max(1, round(test_fraction * len(plays)))]}
+    held_out = held_out_plays(documents, test_fraction, seed)
     return datasets.DatasetDict(
         train=dataset.filter(lambda play: play not in held_out, input_columns="play"),
         test=dataset.filter(lambda play: play in held_out, input_columns="play"),
@@ -80,6 +97,13 @@ def shakespeare_texts(unit: str = "scene") -> Iterator[str]:
     """Plain texts of the built-in corpus, e.g. to train a tokenizer."""
     for document in shakespeare_documents(unit):
         yield document["text"]
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` is one that `datasets`' ``save_to_disk`` wrote (a Dataset's or a DatasetDict's), rather than
+    a folder of data files, which ``load_dataset(folder)`` reads."""
+    return folder.is_dir() and any((folder / marker).exists()
+                                   for marker in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
 def load_text_dataset(
@@ -101,8 +125,7 @@ def load_text_dataset(
     import datasets
 
     local = Path(path)
-    saved_markers = ("dataset_info.json", "state.json", "dataset_dict.json")
-    if local.is_dir() and any((local / marker).exists() for marker in saved_markers):
+    if is_saved_dataset(local):
         dataset = datasets.load_from_disk(str(local))
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[split]

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import FAT5Error
-from .data import cache_file_outside_user_data, map_processes
+from .data import cache_file_outside_user_data, is_saved_dataset, map_processes
 from .finetune_config import FinetuneDataSection
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
@@ -43,10 +43,21 @@ def _builder(files: list[str], name: str) -> tuple[str, dict]:
     return FILE_BUILDERS[kind], ({"delimiter": "\t"} if kind == ".tsv" else {})
 
 
-def _dataset_given_or_saved(value, name: str, split: str):
-    """A ``datasets.Dataset`` given as ``data.train_file`` / ``validation_file``, or the one in a folder written by
-    ``save_to_disk`` (a ``DatasetDict`` folder gives its split of that name), as ``fat5 pretrain`` takes them; None
-    for file paths."""
+def check_data_files(data: FinetuneDataSection) -> None:
+    """What can be told of ``train_file`` and ``validation_file`` without `datasets`, which takes seconds to import:
+    the files named exist, can be read and are not empty, and those of each split share one format (a folder is
+    `datasets`' to read)."""
+    for name, given in (("train_file", data.train_file), ("validation_file", data.validation_file)):
+        folder = isinstance(given, (str, os.PathLike)) and Path(given).expanduser().is_dir()
+        if isinstance(given, (str, os.PathLike, list)) and not folder:
+            _builder(_data_files(given, name), name)
+
+
+def _dataset_given_or_in_folder(value, name: str, split: str):
+    """A ``datasets.Dataset`` given as ``data.train_file`` / ``validation_file``, or the one in a folder, as
+    ``fat5 pretrain`` takes them: one written by ``save_to_disk`` (a ``DatasetDict`` folder gives its split of that
+    name), or a folder of data files, read as ``datasets.load_dataset(folder)`` reads it (its split of that name, or
+    its only one); None for file paths."""
     import datasets
 
     if isinstance(value, datasets.Dataset):
@@ -54,14 +65,18 @@ def _dataset_given_or_saved(value, name: str, split: str):
     if not isinstance(value, (str, os.PathLike)) or not Path(value).expanduser().is_dir():
         return None
     path = Path(value).expanduser()
-    try:
+    if is_saved_dataset(path):
         loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise FAT5Error(f"data.{name}: {path} is a folder, but not one written by datasets' save_to_disk") from None
+    else:
+        try:
+            loaded = datasets.load_dataset(str(path))
+        except (FileNotFoundError, ValueError) as error:  # datasets' "no (supported) data files found"
+            raise FAT5Error(f"data.{name}: {path} is a folder, but neither one that datasets' save_to_disk wrote nor "
+                            f"one of data files that datasets.load_dataset reads ({error})") from None
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
+        if split not in loaded and len(loaded) != 1:
             raise FAT5Error(f"data.{name}: {path} holds the splits {sorted(loaded)}, none named {split!r}")
-        loaded = loaded[split]
+        loaded = loaded[split] if split in loaded else next(iter(loaded.values()))
     return loaded
 
 
@@ -117,20 +132,18 @@ def _load_local_data(data: FinetuneDataSection):
     """``train_file`` / ``validation_file``: datasets given or saved with ``save_to_disk``, or data files."""
     import datasets
 
-    splits, data_files = {}, {}
+    splits = {}
     for split, name, given in (("train", "train_file", data.train_file),
                                ("validation", "validation_file", data.validation_file)):
         if given is None:
             continue
-        dataset = _dataset_given_or_saved(given, name, split)
-        if dataset is None:
-            data_files[split] = _data_files(given, name)
-        else:
-            splits[split] = dataset
-    if data_files:
-        builder, options = _builder([f for files in data_files.values() for f in files], "train_file")
-        splits.update(datasets.load_dataset(builder, data_files=data_files, **options))
-    return datasets.DatasetDict({split: splits[split] for split in ("train", "validation") if split in splits})
+        splits[split] = _dataset_given_or_in_folder(given, name, split)
+        if splits[split] is None:
+            # each split read by the builder of its own format: a JSONL train_file, a CSV validation_file
+            files = _data_files(given, name)
+            builder, options = _builder(files, name)
+            splits[split] = datasets.load_dataset(builder, data_files={split: files}, **options)[split]
+    return datasets.DatasetDict(splits)
 
 
 def limit_samples(raw, data: FinetuneDataSection):

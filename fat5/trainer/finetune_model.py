@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 from ..errors import FAT5Error
-from ..folder_contents import read_config_json
-from .finetune_config import LoraSection
+from ..folder_contents import TOKENIZER_VOCABULARY_FILES, read_config_json
+from .finetune_config import FinetuneConfig, LoraSection
 
 # PEFT's task type, and the head that trains in full beside the adapters, per task
 PEFT_TASK_TYPES = {"seq2seq": "SEQ_2_SEQ_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
@@ -34,6 +34,22 @@ def resolve_model_path(model: str) -> str:
     _refuse_an_unreachable_hub(model)
     _model_config(model)
     return model
+
+
+def check_local_model(settings: FinetuneConfig) -> None:
+    """A model folder, checked without torch or transformers: a FAT5 one (`resolve_model_path`), holding the
+    tokenizer the job loads from it when the config names none. A Hub id is checked once transformers loads."""
+    folder = Path(settings.model).expanduser()
+    if not folder.is_dir():
+        return
+    resolve_model_path(settings.model)
+    if settings.tokenizer is None and not any((folder / name).is_file() for name in TOKENIZER_VOCABULARY_FILES):
+        raise FAT5Error(
+            f"model: {folder} holds no tokenizer (none of {', '.join(TOKENIZER_VOCABULARY_FILES)}), and the config "
+            "names none: save the tokenizer of the checkpoint it was converted from into it, "
+            f"AutoTokenizer.from_pretrained(NAME).save_pretrained('{folder}') (NAME: e.g. google-t5/t5-small for "
+            "T5), or name one with `tokenizer:` in the config"
+        )
 
 
 def _refuse_an_unreachable_hub(model: str) -> None:

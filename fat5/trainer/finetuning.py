@@ -18,8 +18,10 @@ folder that holds the input).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,15 +29,27 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
-from ..folder_contents import MERGED_MODEL_STAGING
+from ..folder_contents import MERGED_MODEL_STAGING, temporary_name
+from ..output_folder import write_atomically
 from .finetune_config import FinetuneConfig, load_finetune_config
-from .finetune_data import data_collator, label_mapping, limit_samples, load_raw_datasets, tokenize_datasets
-from .finetune_model import apply_lora, load_model, resolve_model_path
+from .finetune_data import (
+    check_data_files,
+    data_collator,
+    label_mapping,
+    limit_samples,
+    load_raw_datasets,
+    tokenize_datasets,
+)
+from .finetune_model import apply_lora, check_local_model, load_model, resolve_model_path
 from .jobs import (
     build_trainer,
     check_output_dir,
     final_writes,
+    is_main_launch_process,
     prepare_output_folder,
+    release_output_dir,
+    released_at_the_end,
+    released_on_failure,
     save_final_model,
     train_and_evaluate,
     training_arguments,
@@ -65,13 +79,14 @@ class FinetuningJob:
         """Train, evaluate and save; returns ``{"output_dir", "model_dir", "adapter_dir", "merged_dir",
         "bundle_dir", "train", "eval", "log_history"}``: the folders written (None where not applicable), the
         train and final evaluation metrics and the Trainer's log history."""
-        train_output, metrics = train_and_evaluate(self.trainer, self.checkpoint)
-        result = {"output_dir": str(self.output_dir), **self._save_models(), "train": dict(train_output.metrics),
-                  "eval": metrics, "log_history": list(self.trainer.state.log_history)}
-        if self.trainer.is_world_process_zero():
-            self._write_records(result)
-        # no process returns before the main one has written what the result names
-        self.trainer.accelerator.wait_for_everyone()
+        with released_at_the_end(self.output_dir):
+            train_output, metrics = train_and_evaluate(self.trainer, self.checkpoint)
+            result = {"output_dir": str(self.output_dir), **self._save_models(), "train": dict(train_output.metrics),
+                      "eval": metrics, "log_history": list(self.trainer.state.log_history)}
+            if self.trainer.is_world_process_zero():
+                self._write_records(result)
+            # no process returns before the main one has written what the result names
+            self.trainer.accelerator.wait_for_everyone()
         return result
 
     def _save_models(self) -> dict:
@@ -84,11 +99,12 @@ class FinetuningJob:
             folders["adapter_dir" if lora else "model_dir"] = str(output_dir)
         else:
             adapter_dir = output_dir / "adapter"
-            with final_writes(output_dir, [adapter_dir, output_dir / MERGED_MODEL_STAGING]):
+            merged = output_dir / temporary_name(MERGED_MODEL_STAGING)
+            with final_writes(output_dir, [adapter_dir, merged]):
                 self.trainer.save_model(str(adapter_dir))
                 # save_model writes from the main process only; the steps after it run there alone
                 if self.trainer.is_world_process_zero():
-                    merge_adapter(self, adapter_dir)
+                    merge_adapter(self, adapter_dir, merged)
             folders.update(adapter_dir=str(adapter_dir), merged_dir=str(output_dir))
         if self.settings.bundle:
             bundle_dir = output_dir / "bundle"
@@ -104,13 +120,58 @@ class FinetuningJob:
         """``metrics.json`` and the resolved configuration, ``finetune_config.yaml`` (a dataset given as an object
         named by its size)."""
         metrics = {"train": result["train"], "eval": result["eval"]}
-        (self.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+        write_atomically(self.output_dir / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode())
         config = self.settings.to_dict()
         config["output_dir"] = str(self.output_dir)
         config["data"] = {key: f"<datasets.Dataset of {len(value)} rows, given in memory>"
                           if hasattr(value, "column_names") else value for key, value in config["data"].items()}
-        (self.output_dir / "finetune_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False),
-                                                              encoding="utf-8")
+        write_atomically(self.output_dir / "finetune_config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+
+
+@contextlib.contextmanager
+def begun_finetuning(config, output_dir=None, *, overrides=None, resume: bool = False,
+                     overwrite: bool = False) -> Iterator[Path]:
+    """What `fat5 finetune` does before it imports torch and transformers, in its first second: the config read and
+    checked (what needs transformers' classes aside), a model folder and its tokenizer and the data files checked
+    (`check_local_inputs`), the output folder checked and locked (the job, `prepare_finetuning`, takes the lock over),
+    and the job said in one line. Yields the output folder, released at the end of the block."""
+    settings = FinetuneConfig.read(config, overrides)
+    output_dir = _output_dir(settings, output_dir)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    try:
+        check_local_inputs(settings)
+        if is_main_launch_process():
+            print(_job_line(settings, output_dir, resume), flush=True)
+        yield output_dir
+    finally:
+        release_output_dir(output_dir)
+
+
+def check_local_inputs(settings: FinetuneConfig) -> None:
+    """What the job reads from this machine, checked without torch or transformers: a model folder and its tokenizer
+    (`check_local_model`), the data files (`check_data_files`)."""
+    check_local_model(settings)
+    check_data_files(settings.data)
+
+
+def _job_line(settings: FinetuneConfig, output_dir: Path, resume: bool) -> str:
+    """The job's first line: what it finetunes, how, on what, how long, and where."""
+    data, steps = settings.data, settings.training.get("max_steps", -1)
+    examples = data.dataset_name or data.train_file
+    if not isinstance(examples, (str, os.PathLike)):
+        examples = "the given examples"
+    length = f"{steps} steps" if steps > 0 else f"{settings.training.get('num_train_epochs', 3)} epochs"
+    how = "LoRA" if settings.lora is not None else "full"
+    run = f"continuing the run in {output_dir}" if resume else f"into {output_dir}"
+    return (f"finetuning {settings.model} ({settings.task}, {how}) for {length} on {examples}, {run} (loading torch "
+            "and transformers)")
+
+
+def _output_dir(settings: FinetuneConfig, output_dir) -> Path:
+    output_dir = output_dir or settings.output_dir
+    if output_dir is None:
+        raise FAT5Error("output_dir is missing: give --output-dir (output_dir= in Python) or output_dir in the config")
+    return Path(output_dir)
 
 
 def prepare_finetuning(config, output_dir=None, *, overrides=None, resume: bool = False,
@@ -120,10 +181,16 @@ def prepare_finetuning(config, output_dir=None, *, overrides=None, resume: bool 
     a writable output folder), the output folder prepared, the data tokenized, the model (with LoRA when configured)
     and the trainer built."""
     settings = load_finetune_config(config, overrides)
-    output_dir = output_dir or settings.output_dir
-    if output_dir is None:
-        raise FAT5Error("output_dir is missing: give --output-dir (output_dir= in Python) or output_dir in the config")
-    check_output_dir(Path(output_dir), resume=resume, overwrite=overwrite)
+    output_dir = _output_dir(settings, output_dir)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    with released_on_failure(output_dir):
+        check_local_inputs(settings)
+        return _prepared_finetuning(settings, config, output_dir, resume=resume, overwrite=overwrite)
+
+
+def _prepared_finetuning(settings: FinetuneConfig, config, output_dir: Path, *, resume: bool,
+                         overwrite: bool) -> FinetuningJob:
+    """`prepare_finetuning` once the output folder is locked."""
     model_path = resolve_model_path(settings.model)
     tokenizer = _checked_tokenizer(settings, model_path)
     raw = load_raw_datasets(settings.data)
@@ -133,8 +200,8 @@ def prepare_finetuning(config, output_dir=None, *, overrides=None, resume: bool 
     arguments = training_arguments(output_dir, settings.training, defaults=defaults, evaluates=evaluates)
     model_kwargs, label_ids = _model_kwargs(settings, raw)
     # what the checks above found wrong left the folder untouched; what --overwrite removes goes only now
-    output_dir, checkpoint = prepare_output_folder(Path(output_dir), config, _inputs(settings), overwrite=overwrite,
-                                                   resume=resume)
+    output_dir, checkpoint = prepare_output_folder(output_dir, config, _inputs(settings), settings.training,
+                                                   overwrite=overwrite, resume=resume)
     # under several processes the main one tokenizes first and the others read the datasets cache it wrote
     with arguments.main_process_first(desc="tokenizing"):
         tokenized = tokenize_datasets(limit_samples(raw, settings.data), tokenizer, settings.task, settings.data,
@@ -236,17 +303,16 @@ def _inputs(settings: FinetuneConfig) -> list:
 # ----------------------------------------------------------------------------------------------- saving
 
 
-def merge_adapter(job: FinetuningJob, adapter_dir: Path) -> Path:
+def merge_adapter(job: FinetuningJob, adapter_dir: Path, temporary: Path) -> Path:
     """Reload the saved adapter onto a fresh copy of the base model, merge it in (``merge_and_unload``) and save the
-    plain FAT5 model with the tokenizer at the top of the output folder: the saved adapter is proven to load, the
-    trained model stays as it was."""
+    plain FAT5 model with the tokenizer in ``temporary``, then at the top of the output folder: the saved adapter is
+    proven to load, the trained model stays as it was."""
     from peft import PeftModel
 
     from ..output_folder import move_into
 
     base = load_model(job.settings.task, job.model_path, job.model_kwargs, job.settings.dtype)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    temporary = job.output_dir / MERGED_MODEL_STAGING
     merged.save_pretrained(temporary)
     job.tokenizer.save_pretrained(temporary)
     move_into(temporary, job.output_dir)

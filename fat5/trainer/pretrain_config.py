@@ -224,9 +224,13 @@ class PretrainConfig(JobConfig):
                 raw[name] = {**defaults, **(raw.get(name) or {})}
         config = checked(cls, raw, cls.WHAT)
         config.data.complete(raw.get("data") or {})
-        config._check_model()
         config._check_bucket_widths()
         return config
+
+    def check_with_the_classes(self) -> None:
+        """The training section's checks, and the model section as the job will build it (`_check_model`)."""
+        super().check_with_the_classes()
+        self._check_model()
 
     @classmethod
     def updated(cls, raw: dict, overrides: dict) -> dict:

@@ -18,9 +18,11 @@ saves its model, and a finished run is refused as such. What a run interrupted b
 removed, the job saying it starts over.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +30,21 @@ from typing import Any
 import yaml
 
 from ..errors import FAT5Error
+from ..output_folder import write_atomically
 from .config_schema import read_yaml
 from .jobs import (
     build_trainer,
     check_output_dir,
+    is_main_launch_process,
     prepare_output_folder,
+    process_state,
+    release_output_dir,
+    released_at_the_end,
+    released_on_failure,
     save_final_model,
     train_and_evaluate,
     training_arguments,
+    trains_on_cpu,
 )
 from .pretrain_config import (
     VOCAB_MULTIPLE,
@@ -54,6 +63,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_OUTPUT_DIR = "outputs/fat5-pretrain"
 # the resolved config in the output folder, which --resume reads
 SAVED_CONFIG = "pretrain_config.yaml"
+SUMMARY_FILE = "pretrain_summary.json"
 # torch.compiler's cache artifacts (compiled graphs and kernels), written beside the checkpoints, loaded on --resume
 COMPILE_ARTIFACTS = "compile_cache_artifacts.bin"
 # graphs dynamo keeps per compiled function: one per batch shape (5 by default), the evaluation's among them
@@ -90,8 +100,10 @@ def load_corpus(data: PretrainDataSection, seed: int):
 
 def get_tokenizer(settings: TokenizerSection, train_texts, text_column: str, output_dir: Path, saved=None):
     """The configured tokenizer; else the one this run saved (``saved``: the checkpoint a run resumes from, or the
-    folder where the main process saved the tokenizer it trained); else a new one, saved in ``output_dir/tokenizer``."""
-    from .tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+    folder where the main process saved the tokenizer it trained); else a new one, saved in ``output_dir/tokenizer``:
+    the one kept from a run on the same texts and settings, or the one `begun_pretraining` began training on them,
+    or one trained now."""
+    from .tokenizer import TokenizerTraining, load_tokenizer, save_tokenizer, tokenizer_fingerprint
 
     path = settings.path or saved
     if path:
@@ -100,23 +112,61 @@ def get_tokenizer(settings: TokenizerSection, train_texts, text_column: str, out
     def texts():
         return _texts_for_tokenizer(train_texts, settings.train_on_documents, text_column)
 
-    training = {"vocab_size": settings.vocab_size, "num_sentinels": settings.num_sentinels}
-    kept = None
-    if settings.cache_dir is not None:
-        kept = cache_folder(settings.cache_dir) / tokenizer_fingerprint(texts(), **training)
-        if (kept / "tokenizer.json").is_file():
-            print(f"tokenizer: the one trained before on the same texts and settings ({kept})", flush=True)
-            tokenizer = load_tokenizer(kept)
-            save_tokenizer(tokenizer, output_dir / "tokenizer")
-            return tokenizer
-    print(f"training a {settings.vocab_size}-token tokenizer on the corpus", flush=True)
-    tokenizer = train_tokenizer(texts(), **training, save_directory=str(output_dir / "tokenizer"))
+    training = _tokenizer_training_settings(settings)
+    fingerprint = tokenizer_fingerprint(texts(), **training)
+    kept = _kept_tokenizer(settings, fingerprint)
     if kept is not None:
+        print(f"tokenizer: the one trained before on the same texts and settings ({kept})", flush=True)
+        tokenizer = load_tokenizer(kept)
+        save_tokenizer(tokenizer, output_dir / "tokenizer")
+        return tokenizer
+    begun = _BEGUN_TOKENIZER_TRAININGS.pop(fingerprint, None)
+    if begun is None:
+        print(f"training a {settings.vocab_size}-token tokenizer on the corpus", flush=True)
+        begun = TokenizerTraining(texts(), **training)
+    tokenizer = begun.result(save_directory=output_dir / "tokenizer")
+    if settings.cache_dir is not None:
+        kept = cache_folder(settings.cache_dir) / fingerprint
         try:
             save_tokenizer(tokenizer, kept)
         except OSError as error:  # the run has its tokenizer; only the next run's shortcut is lost
             print(f"tokenizer.cache_dir: could not keep the tokenizer in {kept} ({error.strerror or error})")
     return tokenizer
+
+
+def _tokenizer_training_settings(settings: TokenizerSection) -> dict:
+    return {"vocab_size": settings.vocab_size, "num_sentinels": settings.num_sentinels}
+
+
+def _kept_tokenizer(settings: TokenizerSection, fingerprint: str) -> Path | None:
+    """The folder of the tokenizer an earlier run trained on the same texts and settings, kept in tokenizer.cache_dir
+    (None: none is)."""
+    kept = cache_folder(settings.cache_dir) / fingerprint if settings.cache_dir is not None else None
+    return kept if kept is not None and (kept / "tokenizer.json").is_file() else None
+
+
+# tokenizer trainings that `begun_pretraining` began, by the fingerprint of what they train on (`get_tokenizer` takes
+# the one it would train)
+_BEGUN_TOKENIZER_TRAININGS: dict = {}
+
+
+def _begin_tokenizer_training(settings: PretrainConfig) -> str | None:
+    """Begin training the tokenizer the job will train, where it can tell which without `datasets` (the built-in
+    corpus) and none is kept from an earlier run; returns the fingerprint it is kept under (None: nothing begun)."""
+    from .data import shakespeare_training_texts
+    from .tokenizer import TokenizerTraining, tokenizer_fingerprint
+
+    tokenizer, data = settings.tokenizer, settings.data
+    if tokenizer.path is not None or data.corpus != "shakespeare":
+        return None
+    texts = shakespeare_training_texts(data.unit, data.eval_fraction, settings.seed)[: tokenizer.train_on_documents]
+    training = _tokenizer_training_settings(tokenizer)
+    fingerprint = tokenizer_fingerprint(texts, **training)
+    if _kept_tokenizer(tokenizer, fingerprint) is not None:
+        return None
+    print(f"training a {tokenizer.vocab_size}-token tokenizer on the corpus", flush=True)
+    _BEGUN_TOKENIZER_TRAININGS[fingerprint] = TokenizerTraining(texts, **training)
+    return fingerprint
 
 
 def build_model(settings: PretrainConfig, tokenizer, vocab_size: int | None = None):
@@ -157,18 +207,54 @@ class PretrainingJob:
         from transformers import AutoModelForSeq2SeqLM
 
         trainer = self.trainer
-        # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
-        resumed_from = _announce_resumed_run(trainer, self.checkpoint)
-        train_output, metrics = train_and_evaluate(trainer, self.checkpoint)
-        # what is written is loaded back before it replaces anything: what users will load
-        save_final_model(trainer, self.output_dir, verify=AutoModelForSeq2SeqLM.from_pretrained)
-        summary = _summary(trainer, train_output, metrics or {}, resumed_from, self.output_dir)
-        if trainer.is_world_process_zero():
-            with open(self.output_dir / "pretrain_summary.json", "w") as handle:
-                json.dump(summary, handle, indent=2)
-        # no process returns before the model and summary are in place
-        trainer.accelerator.wait_for_everyone()
+        with released_at_the_end(self.output_dir):
+            # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
+            resumed_from = _announce_resumed_run(trainer, self.checkpoint)
+            train_output, metrics = train_and_evaluate(trainer, self.checkpoint)
+            # what is written is loaded back before it replaces anything: what users will load
+            save_final_model(trainer, self.output_dir, verify=AutoModelForSeq2SeqLM.from_pretrained)
+            summary = _summary(trainer, train_output, metrics or {}, resumed_from, self.output_dir)
+            # a step compiled by torch.compile, or FAT5's Triton kernels, compiled on a CUDA device (not on a CPU)
+            summary["first_steps_compile"] = self.path.compiled or trainer.args.device.type == "cuda"
+            if trainer.is_world_process_zero():
+                write_atomically(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+            # no process returns before the model and summary are in place
+            trainer.accelerator.wait_for_everyone()
         return summary
+
+
+@contextlib.contextmanager
+def begun_pretraining(config=None, output_dir=None, *, overrides=None, resume: bool = False,
+                      overwrite: bool = False) -> Iterator[Path]:
+    """What `fat5 pretrain` does before it imports torch and transformers, in its first second: the config read and
+    checked (what needs transformers' classes aside), the corpus checked, the output folder checked and locked (the
+    job, `prepare_pretraining`, takes the lock over), the job said in one line, and on the main process the
+    tokenizer's training begun in its child process when the job will train one on the built-in corpus
+    (`get_tokenizer` takes it over), so that those imports run while it trains. Yields the output folder; at the end
+    of the block the lock is released and a training the job did not take is ended."""
+    output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
+    settings = _settings(config, overrides, output_dir, resume, load=PretrainConfig.read)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
+    begun = None
+    try:
+        _check_corpus(settings.data)
+        if is_main_launch_process():
+            print(_job_line(settings, output_dir, resume), flush=True)
+            begun = None if resume else _begin_tokenizer_training(settings)
+        yield output_dir
+    finally:
+        if begun in _BEGUN_TOKENIZER_TRAININGS:
+            _BEGUN_TOKENIZER_TRAININGS.pop(begun).cancel()
+        release_output_dir(output_dir)
+
+
+def _job_line(settings: PretrainConfig, output_dir: Path, resume: bool) -> str:
+    """The job's first line: what it trains on, how long, and where."""
+    data, steps = settings.data, settings.training.get("max_steps", -1)
+    corpus = "the built-in Shakespeare plays" if data.corpus == "shakespeare" else data.path
+    length = f"{steps} steps" if steps > 0 else f"{settings.training.get('num_train_epochs', 3)} epochs"
+    run = f"continuing the run in {output_dir}" if resume else f"into {output_dir}"
+    return f"pretraining {length} on {corpus}, {run} (loading torch and transformers)"
 
 
 def prepare_pretraining(config=None, output_dir=None, *, overrides=None, resume: bool = False,
@@ -180,19 +266,25 @@ def prepare_pretraining(config=None, output_dir=None, *, overrides=None, resume:
     output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
     settings = _settings(config, overrides, output_dir, resume)
     check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
+    with released_on_failure(output_dir):
+        return _prepared_pretraining(settings, config, output_dir, resume=resume, overwrite=overwrite)
+
+
+def _prepared_pretraining(settings: PretrainConfig, config, output_dir: Path, *, resume: bool,
+                          overwrite: bool) -> PretrainingJob:
+    """`prepare_pretraining` once the output folder is locked."""
     given_tokenizer = check_job_needs(settings)
-    from accelerate import PartialState
     from transformers import set_seed
 
-    state = PartialState()
+    state = process_state(settings.training)
     cuda = _trains_on_cuda(settings)
     path = choose_path(settings, cuda)
     _prepare_compiler(settings, path, cuda)
     if state.is_main_process:
         print(path.describe(), flush=True)
     inputs = [settings.tokenizer.path, settings.data.path, *([settings.ul2] if _is_path(settings.ul2) else [])]
-    output_dir, checkpoint = prepare_output_folder(output_dir, config, inputs, overwrite=overwrite, resume=resume,
-                                                   resume_keeps_config=True)
+    output_dir, checkpoint = prepare_output_folder(output_dir, config, inputs, settings.training, overwrite=overwrite,
+                                                   resume=resume, resume_keeps_config=True)
     set_seed(settings.seed)
     train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state,
                                                                 given_tokenizer)
@@ -220,16 +312,16 @@ def pretrain(config=None, output_dir=None, *, overrides=None, resume: bool = Fal
     return prepare_pretraining(config, output_dir, overrides=overrides, resume=resume, overwrite=overwrite).run()
 
 
-def _settings(config, overrides, output_dir: Path, resume: bool) -> PretrainConfig:
-    """The checked config; on ``resume``, the one the run saved (``config`` None) or ``config``, which must not
-    differ from it."""
+def _settings(config, overrides, output_dir: Path, resume: bool, load=load_pretrain_config) -> PretrainConfig:
+    """The config checked by ``load`` (`PretrainConfig.read` leaves out what needs transformers' classes); on
+    ``resume``, the one the run saved (``config`` None) or ``config``, which must not differ from it."""
     saved_file = output_dir / SAVED_CONFIG
     if not (resume and saved_file.is_file()):
-        return load_pretrain_config(config, overrides)
+        return load(config, overrides)
     saved_raw = read_yaml(saved_file, "the run's saved config")
     saved_raw.pop("resolved", None)
-    saved = load_pretrain_config(saved_raw)
-    settings = load_pretrain_config(saved.to_dict() if config is None else config, overrides)
+    saved = load(saved_raw)
+    settings = load(saved.to_dict() if config is None else config, overrides)
     differing = differing_keys(settings.to_dict(), saved.to_dict())
     if differing:
         raise FAT5Error(f"--resume: {', '.join(differing)} differ(s) from the run's config ({saved_file}); resume "
@@ -281,6 +373,17 @@ def _check_corpus(data: PretrainDataSection) -> None:
                             f"({', '.join(DATA_FILE_SUFFIXES)}), a save_to_disk folder or a Hub dataset's name")
         if not os.access(found, os.R_OK):
             raise FAT5Error(f"the corpus {name} cannot be read by this user: give one you can read")
+        if found.is_file() and _is_blank(found):  # datasets' loaders fail on it with a bare StopIteration
+            raise FAT5Error(f"the corpus {name} is empty: give a file that holds the texts to train on")
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether the file holds nothing but white space (read until its first other character)."""
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _checked_tokenizer(settings: PretrainConfig):
@@ -309,7 +412,7 @@ def _checked_tokenizer(settings: PretrainConfig):
 def _trains_on_cuda(settings: PretrainConfig) -> bool:
     import torch
 
-    return torch.cuda.is_available() and not settings.training.get("use_cpu", False)
+    return torch.cuda.is_available() and not trains_on_cpu(settings.training)
 
 
 def _prepare_compiler(settings: PretrainConfig, path: PretrainingPath, cuda: bool) -> None:
@@ -355,15 +458,9 @@ def _compile_artifacts_callback(output_dir: Path):
 
             saved = torch.compiler.save_cache_artifacts() if state.is_world_process_zero else None
             if saved is not None:
-                _write_atomically(output_dir / COMPILE_ARTIFACTS, saved[0])
+                write_atomically(output_dir / COMPILE_ARTIFACTS, saved[0])
 
     return CompileArtifacts()
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(content)
-    os.replace(temporary, path)
 
 
 def write_saved_config(settings: PretrainConfig, path: PretrainingPath, batches: "PackedBatches",
@@ -378,7 +475,7 @@ def write_saved_config(settings: PretrainConfig, path: PretrainingPath, batches:
         "shape_buckets": list(buckets.target_widths) if buckets is not None else path.shape_buckets,
         "batch_shapes": [list(shape) for shape in buckets.shapes()] if buckets is not None else None,
     }
-    _write_atomically(output_dir / SAVED_CONFIG, yaml.safe_dump(document, sort_keys=False).encode())
+    write_atomically(output_dir / SAVED_CONFIG, yaml.safe_dump(document, sort_keys=False).encode())
 
 
 def _text_column(data: PretrainDataSection) -> str:

@@ -61,30 +61,11 @@ def train_tokenizer(
             loaded back, then renamed) or not at all.
         show_progress: show the `tokenizers` trainer's progress bar.
 
-    A Ctrl-C stops it at once (KeyboardInterrupt: see `_train_in_child`), with nothing saved.
+    A Ctrl-C stops it at once (KeyboardInterrupt: see `TokenizerTraining`), with nothing saved.
     """
-    from transformers import PreTrainedTokenizerFast
-
-    special = _checked_special_tokens(model, vocab_size, num_sentinels, prefixes)
-    tokenizer = _train_in_child(texts, model, vocab_size, special, show_progress)
-    for i, token in enumerate(special):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
-    if model == "unigram":
-        tokenizer.model = _canonical_unigram(tokenizer, len(special))
-    sentinels = _add_sentinels_and_eos(tokenizer, num_sentinels)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        model_max_length=model_max_length,
-        padding_side="right",
-    )
-    wrapped.add_special_tokens({"additional_special_tokens": [*prefixes, *reversed(sentinels)]})
-    if save_directory is not None:
-        save_tokenizer(wrapped, save_directory)
-    return wrapped
+    training = TokenizerTraining(texts, vocab_size=vocab_size, num_sentinels=num_sentinels, model=model,
+                                 prefixes=prefixes, model_max_length=model_max_length, show_progress=show_progress)
+    return training.result(save_directory)
 
 
 # the child process that trains: it imports fat5.trainer.tokenizer without running fat5/__init__.py (torch and
@@ -99,37 +80,89 @@ train_from_stdin()
 """
 
 
-def _train_in_child(texts: Iterable[str], model: str, vocab_size: int, special: list[str], show_progress: bool):
-    """The `tokenizers` Tokenizer trained on ``texts`` in a child process, which a Ctrl-C (KeyboardInterrupt) kills.
+class TokenizerTraining:
+    """`train_tokenizer`'s training, begun: the `tokenizers` trainer runs in a child process, which a Ctrl-C
+    (KeyboardInterrupt) kills, and ``result()`` waits for it. It imports neither torch nor transformers until
+    ``result()``, so a job may begin it, then import those while it trains.
 
     `tokenizers` trains in Rust, which checks for no signal: run here, a Ctrl-C reached Python when training ended
     (30 s on the built-in corpus), and a thread left to finish would keep the cores busy. The texts go to the child's
-    stdin as JSON lines, after a line of settings; the trained tokenizer comes back on its stdout as JSON.
+    stdin as JSON lines, after a line of settings; the trained tokenizer comes back on its stdout as JSON. A training
+    never taken (its process ending first) is ended with it.
     """
-    import subprocess
-    import sys
-    import tempfile
 
-    from tokenizers import Tokenizer
+    def __init__(self, texts: Iterable[str], *, vocab_size: int = 4096, num_sentinels: int = 256,
+                 model: str = "unigram", prefixes: Sequence[str] = UL2_PREFIXES, model_max_length: int = 1024,
+                 show_progress: bool = False):
+        import atexit
+        import subprocess
+        import sys
+        import tempfile
 
-    package = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryFile() as errors:
-        child = subprocess.Popen([sys.executable, "-c", _TRAINING_CHILD, str(package)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=None if show_progress else errors)
+        self.special = _checked_special_tokens(model, vocab_size, num_sentinels, prefixes)
+        self.model, self.num_sentinels, self.prefixes = model, num_sentinels, prefixes
+        self.model_max_length = model_max_length
+        self._errors = tempfile.TemporaryFile()  # noqa: SIM115  (the child writes in it until result() or cancel())
+        package = Path(__file__).resolve().parent.parent
+        self._child = subprocess.Popen([sys.executable, "-c", _TRAINING_CHILD, str(package)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=None if show_progress else self._errors)
+        atexit.register(self.cancel)
         try:
-            settings = {"model": model, "vocab_size": vocab_size, "special": special, "show_progress": show_progress}
-            _send_lines(child.stdin, [settings], texts)
-            trained = child.stdout.read()
-            status = child.wait()
+            settings = {"model": model, "vocab_size": vocab_size, "special": self.special,
+                        "show_progress": show_progress}
+            _send_lines(self._child.stdin, [settings], texts)
         except BaseException:
-            child.kill()
-            child.wait()
+            self.cancel()
             raise
-        if status != 0:
-            errors.seek(0)
-            said = errors.read().decode(errors="replace").strip().splitlines()
-            raise RuntimeError(f"training the tokenizer failed: {said[-1] if said else f'exit status {status}'}")
-    return Tokenizer.from_str(trained.decode("utf-8"))
+
+    def cancel(self) -> None:
+        """End the child, if it still runs."""
+        import atexit
+
+        atexit.unregister(self.cancel)
+        if self._child.poll() is None:
+            self._child.kill()
+            self._child.wait()
+        self._errors.close()
+
+    def result(self, save_directory: str | os.PathLike | None = None):
+        """The trained tokenizer, a ``PreTrainedTokenizerFast``, saved in ``save_directory`` when given."""
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = self._trained()
+        for i, token in enumerate(self.special):
+            if tokenizer.token_to_id(token) != i:
+                raise RuntimeError(f"the trainer put {token!r} at id {tokenizer.token_to_id(token)}, expected {i}")
+        if self.model == "unigram":
+            tokenizer.model = _canonical_unigram(tokenizer, len(self.special))
+        sentinels = _add_sentinels_and_eos(tokenizer, self.num_sentinels)
+        wrapped = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer,
+            pad_token=PAD_TOKEN,
+            eos_token=EOS_TOKEN,
+            unk_token=UNK_TOKEN,
+            model_max_length=self.model_max_length,
+            padding_side="right",
+        )
+        wrapped.add_special_tokens({"additional_special_tokens": [*self.prefixes, *reversed(sentinels)]})
+        if save_directory is not None:
+            save_tokenizer(wrapped, save_directory)
+        return wrapped
+
+    def _trained(self):
+        """The `tokenizers` Tokenizer the child trained."""
+        from tokenizers import Tokenizer
+
+        try:
+            trained = self._child.stdout.read()
+            status = self._child.wait()
+            if status != 0:
+                self._errors.seek(0)
+                said = self._errors.read().decode(errors="replace").strip().splitlines()
+                raise RuntimeError(f"training the tokenizer failed: {said[-1] if said else f'exit status {status}'}")
+        finally:
+            self.cancel()
+        return Tokenizer.from_str(trained.decode("utf-8"))
 
 
 def _send_lines(stream, *parts: Iterable) -> None:
@@ -144,7 +177,7 @@ def _send_lines(stream, *parts: Iterable) -> None:
 
 
 def train_from_stdin() -> None:
-    """The child process of `_train_in_child`: settings and texts read from stdin, the trained tokenizer written
+    """The child process of `TokenizerTraining`: settings and texts read from stdin, the trained tokenizer written
     to stdout."""
     import signal
     import sys

@@ -26,6 +26,7 @@ from ..errors import FAT5Error
 from ..folder_contents import CHECKPOINT_NAME, CHECKPOINT_PREFIX, CHECKPOINT_STAGING
 from ..output_folder import disk_full_error, is_disk_full
 from .metrics import numeric_progress_callback
+from .training_fields import unknown_training_fields
 
 
 @dataclass
@@ -160,11 +161,7 @@ def check_training_arguments(arguments: dict, where: str = "training") -> None:
     the field's choices (an ``eval_strategy`` of "sometimes"): what transformers would say only once the job builds
     its arguments, after its output folder is prepared."""
     fields = typing.get_type_hints(FAT5TrainingArguments)
-    unknown = sorted(set(arguments) - set(fields))
-    if unknown:
-        hint = (" (transformers 5 writes it train_sampling_strategy: group_by_length)"
-                if "group_by_length" in unknown else "")
-        raise FAT5Error(f"{where}: {unknown} not FAT5TrainingArguments field(s){hint}")
+    unknown_training_fields(arguments, fields, where)
     for name, value in arguments.items():
         kinds = _kinds(fields[name])
         if not set(kinds) <= set(_SCALAR_KINDS) or any(_accepts(kind, value) for kind in kinds):
