@@ -8,8 +8,10 @@ pyproject.toml). Fixtures stay in conftest.py.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -361,3 +363,20 @@ def run_quick_start(folder: Path) -> subprocess.CompletedProcess:
     completed = run_as_a_reader(QUICK_START_JOB.split(), folder)
     assert completed.returncode == 0, f"{QUICK_START_JOB} failed:\n{completed.stdout[-3000:]}{completed.stderr[-3000:]}"
     return completed
+
+
+def run_in_a_fork(work, kill_after: float | None = None) -> float:
+    """Runs ``work()`` in a forked copy of this process, killed (SIGKILL) after ``kill_after`` seconds if given, as a
+    crash or the OOM killer would end it; returns the seconds until the copy was gone."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            work()
+        finally:
+            os._exit(0)
+    started = time.perf_counter()
+    if kill_after is not None:
+        time.sleep(kill_after)
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return time.perf_counter() - started

@@ -13,14 +13,12 @@ last (it continues from the previous checkpoint); each finishes with a model tha
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_PRETRAIN
+from helpers import TINY_PRETRAIN, run_in_a_fork
 
 CONFIG = {
     **TINY_PRETRAIN,
@@ -68,22 +66,14 @@ def _drive(run_dir: Path, keep: Path) -> None:
     report = {"kills": [], "duration": None}
 
     def write_in_a_copy(trainer, model, trial, kill_after=None) -> float:
-        pid = os.fork()
-        if pid == 0:
+        def write_or_say_where_it_hangs():
             import faulthandler
 
             # a copy that hangs says where, then ends
             faulthandler.dump_traceback_later(60, exit=True)
-            try:
-                write(trainer, model, trial)
-            finally:
-                os._exit(0)
-        start = time.perf_counter()
-        if kill_after is not None:
-            time.sleep(kill_after)
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return time.perf_counter() - start
+            write(trainer, model, trial)
+
+        return run_in_a_fork(write_or_say_where_it_hangs, kill_after)
 
     def killed_writes(trainer, model, trial):
         new = f"checkpoint-{trainer.state.global_step}"

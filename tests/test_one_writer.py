@@ -8,15 +8,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, seq2seq_config
+from helpers import REPO, run_in_a_fork, seq2seq_config
 
 from fat5.errors import FAT5Error
 from fat5.folder_contents import RUN_LOCK
@@ -133,18 +131,7 @@ def _drive(model: Path, work: Path) -> None:
     report, saved = {"kills": []}, {}
 
     def save_in_a_copy(trainer, output_dir, kill_after=None) -> float:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                save(trainer, output_dir)
-            finally:
-                os._exit(0)
-        started = time.perf_counter()
-        if kill_after is not None:
-            time.sleep(kill_after)
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return time.perf_counter() - started
+        return run_in_a_fork(lambda: save(trainer, output_dir), kill_after)
 
     def killed_saves(trainer, output_dir, verify=None):
         kept = work / "before-the-save"
