@@ -120,14 +120,14 @@ def _drive(model: Path, work: Path) -> None:
     import tqdm
 
     import fat5  # noqa: F401  (registers FAT5 with the Auto classes)
-    from fat5.trainer import finetuning
+    from fat5.trainer import finetuning, jobs
 
     # tqdm's monitor thread takes tqdm's lock now and then: a copy forked at that moment would wait on it forever
     tqdm.tqdm.monitor_interval = 0
     config = seq2seq_config(model, work / "run", validation=False, max_steps=2, save_strategy="steps", save_steps=2)
     finetuning.finetune(config)
     previous = _top_model(work / "run")
-    save = finetuning.save_final_model
+    save = jobs.save_final_model
     report, saved = {"kills": []}, {}
 
     def save_in_a_copy(trainer, output_dir, kill_after=None) -> float:
@@ -151,7 +151,7 @@ def _drive(model: Path, work: Path) -> None:
         os.replace(kept, output_dir)
         save(trainer, output_dir, verify)
 
-    finetuning.save_final_model = killed_saves
+    jobs.save_final_model = killed_saves
     finetuning.finetune(dict(config, training={**config["training"], "max_steps": 4}), resume=True)
     report["saved_new"] = _same(_top_model(work / "run"), saved["new"])
     (work / "report.json").write_text(json.dumps(report))

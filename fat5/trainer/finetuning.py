@@ -31,6 +31,7 @@ import yaml
 from ..errors import FAT5Error
 from ..folder_contents import MERGED_MODEL_STAGING, temporary_name
 from ..output_folder import write_atomically
+from . import jobs
 from .finetune_config import FinetuneConfig, load_finetune_config
 from .finetune_data import (
     check_data_files,
@@ -41,19 +42,6 @@ from .finetune_data import (
     tokenize_datasets,
 )
 from .finetune_model import apply_lora, check_local_model, load_model, resolve_model_path
-from .jobs import (
-    build_trainer,
-    check_output_dir,
-    final_writes,
-    is_main_launch_process,
-    prepare_output_folder,
-    release_output_dir,
-    released_at_the_end,
-    released_on_failure,
-    save_final_model,
-    train_and_evaluate,
-    training_arguments,
-)
 from .tokenizer import load_tokenizer
 
 
@@ -79,8 +67,8 @@ class FinetuningJob:
         """Train, evaluate and save; returns ``{"output_dir", "model_dir", "adapter_dir", "merged_dir",
         "bundle_dir", "train", "eval", "log_history"}``: the folders written (None where not applicable), the
         train and final evaluation metrics and the Trainer's log history."""
-        with released_at_the_end(self.output_dir):
-            train_output, metrics = train_and_evaluate(self.trainer, self.checkpoint)
+        with jobs.released_at_the_end(self.output_dir):
+            train_output, metrics = jobs.train_and_evaluate(self.trainer, self.checkpoint)
             result = {"output_dir": str(self.output_dir), **self._save_models(), "train": dict(train_output.metrics),
                       "eval": metrics, "log_history": list(self.trainer.state.log_history)}
             if self.trainer.is_world_process_zero():
@@ -95,12 +83,12 @@ class FinetuningJob:
         lora, output_dir = self.settings.lora, self.output_dir
         folders = {"model_dir": None, "adapter_dir": None, "merged_dir": None, "bundle_dir": None}
         if lora is None or not lora.merge:
-            save_final_model(self.trainer, output_dir)
+            jobs.save_final_model(self.trainer, output_dir)
             folders["adapter_dir" if lora else "model_dir"] = str(output_dir)
         else:
             adapter_dir = output_dir / "adapter"
             merged = output_dir / temporary_name(MERGED_MODEL_STAGING)
-            with final_writes(output_dir, [adapter_dir, merged]):
+            with jobs.final_writes(output_dir, [adapter_dir, merged]):
                 self.trainer.save_model(str(adapter_dir))
                 # save_model writes from the main process only; the steps after it run there alone
                 if self.trainer.is_world_process_zero():
@@ -137,14 +125,14 @@ def begun_finetuning(config, output_dir=None, *, overrides=None, resume: bool = 
     and the job said in one line. Yields the output folder, released at the end of the block."""
     settings = FinetuneConfig.read(config, overrides)
     output_dir = _output_dir(settings, output_dir)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    jobs.check_output_dir(output_dir, resume=resume, overwrite=overwrite)
     try:
         check_local_inputs(settings)
-        if is_main_launch_process():
+        if jobs.is_main_launch_process():
             print(_job_line(settings, output_dir, resume), flush=True)
         yield output_dir
     finally:
-        release_output_dir(output_dir)
+        jobs.release_output_dir(output_dir)
 
 
 def check_local_inputs(settings: FinetuneConfig) -> None:
@@ -182,8 +170,8 @@ def prepare_finetuning(config, output_dir=None, *, overrides=None, resume: bool 
     and the trainer built."""
     settings = load_finetune_config(config, overrides)
     output_dir = _output_dir(settings, output_dir)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite)
-    with released_on_failure(output_dir):
+    jobs.check_output_dir(output_dir, resume=resume, overwrite=overwrite)
+    with jobs.released_on_failure(output_dir):
         check_local_inputs(settings)
         return _prepared_finetuning(settings, config, output_dir, resume=resume, overwrite=overwrite)
 
@@ -197,19 +185,19 @@ def _prepared_finetuning(settings: FinetuneConfig, config, output_dir: Path, *, 
     evaluates = "validation" in raw
     defaults = _training_defaults(settings, evaluates)
     compute_metrics = _compute_metrics(settings, tokenizer, {**defaults, **settings.training}) if evaluates else None
-    arguments = training_arguments(output_dir, settings.training, defaults=defaults, evaluates=evaluates)
+    arguments = jobs.training_arguments(output_dir, settings.training, defaults=defaults, evaluates=evaluates)
     model_kwargs, label_ids = _model_kwargs(settings, raw)
     # what the checks above found wrong left the folder untouched; what --overwrite removes goes only now
-    output_dir, checkpoint = prepare_output_folder(output_dir, config, _inputs(settings), settings.training,
-                                                   overwrite=overwrite, resume=resume)
+    output_dir, checkpoint = jobs.prepare_output_folder(output_dir, config, _inputs(settings), settings.training,
+                                                        overwrite=overwrite, resume=resume)
     # under several processes the main one tokenizes first and the others read the datasets cache it wrote
     with arguments.main_process_first(desc="tokenizing"):
         tokenized = tokenize_datasets(limit_samples(raw, settings.data), tokenizer, settings.task, settings.data,
                                       label_ids)
     model = _build_model(settings, model_path, model_kwargs, tokenizer, arguments)
-    trainer = build_trainer(arguments, model, tokenizer,
-                            data_collator(settings.task, tokenizer, settings.data.pad_to_multiple_of),
-                            tokenized["train"], tokenized.get("validation"), compute_metrics=compute_metrics)
+    trainer = jobs.build_trainer(arguments, model, tokenizer,
+                                 data_collator(settings.task, tokenizer, settings.data.pad_to_multiple_of),
+                                 tokenized["train"], tokenized.get("validation"), compute_metrics=compute_metrics)
     return FinetuningJob(settings, output_dir, checkpoint, tokenizer, model, tokenized["train"],
                          tokenized.get("validation"), trainer, model_path, model_kwargs)
 

@@ -31,21 +31,8 @@ import yaml
 
 from ..errors import FAT5Error
 from ..output_folder import write_atomically
+from . import jobs
 from .config_schema import read_yaml
-from .jobs import (
-    build_trainer,
-    check_output_dir,
-    is_main_launch_process,
-    prepare_output_folder,
-    process_state,
-    release_output_dir,
-    released_at_the_end,
-    released_on_failure,
-    save_final_model,
-    train_and_evaluate,
-    training_arguments,
-    trains_on_cpu,
-)
 from .pretrain_config import (
     VOCAB_MULTIPLE,
     PretrainConfig,
@@ -207,12 +194,12 @@ class PretrainingJob:
         from transformers import AutoModelForSeq2SeqLM
 
         trainer = self.trainer
-        with released_at_the_end(self.output_dir):
+        with jobs.released_at_the_end(self.output_dir):
             # read before training: once the run writes its next checkpoint, save_total_limit may delete this one
             resumed_from = _announce_resumed_run(trainer, self.checkpoint)
-            train_output, metrics = train_and_evaluate(trainer, self.checkpoint)
+            train_output, metrics = jobs.train_and_evaluate(trainer, self.checkpoint)
             # what is written is loaded back before it replaces anything: what users will load
-            save_final_model(trainer, self.output_dir, verify=AutoModelForSeq2SeqLM.from_pretrained)
+            jobs.save_final_model(trainer, self.output_dir, verify=AutoModelForSeq2SeqLM.from_pretrained)
             summary = _summary(trainer, train_output, metrics or {}, resumed_from, self.output_dir)
             # a step compiled by torch.compile, or FAT5's Triton kernels, compiled on a CUDA device (not on a CPU)
             summary["first_steps_compile"] = self.path.compiled or trainer.args.device.type == "cuda"
@@ -234,18 +221,18 @@ def begun_pretraining(config=None, output_dir=None, *, overrides=None, resume: b
     of the block the lock is released and a training the job did not take is ended."""
     output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
     settings = _settings(config, overrides, output_dir, resume, load=PretrainConfig.read)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
+    jobs.check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
     begun = None
     try:
         _check_corpus(settings.data)
-        if is_main_launch_process():
+        if jobs.is_main_launch_process():
             print(_job_line(settings, output_dir, resume), flush=True)
             begun = None if resume else _begin_tokenizer_training(settings)
         yield output_dir
     finally:
         if begun in _BEGUN_TOKENIZER_TRAININGS:
             _BEGUN_TOKENIZER_TRAININGS.pop(begun).cancel()
-        release_output_dir(output_dir)
+        jobs.release_output_dir(output_dir)
 
 
 def _job_line(settings: PretrainConfig, output_dir: Path, resume: bool) -> str:
@@ -265,8 +252,8 @@ def prepare_pretraining(config=None, output_dir=None, *, overrides=None, resume:
     built."""
     output_dir = Path(output_dir or DEFAULT_OUTPUT_DIR)
     settings = _settings(config, overrides, output_dir, resume)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
-    with released_on_failure(output_dir):
+    jobs.check_output_dir(output_dir, resume=resume, overwrite=overwrite, resume_keeps_config=True)
+    with jobs.released_on_failure(output_dir):
         return _prepared_pretraining(settings, config, output_dir, resume=resume, overwrite=overwrite)
 
 
@@ -276,15 +263,15 @@ def _prepared_pretraining(settings: PretrainConfig, config, output_dir: Path, *,
     given_tokenizer = check_job_needs(settings)
     from transformers import set_seed
 
-    state = process_state(settings.training)
+    state = jobs.process_state(settings.training)
     cuda = _trains_on_cuda(settings)
     path = choose_path(settings, cuda)
     _prepare_compiler(settings, path, cuda)
     if state.is_main_process:
         print(path.describe(), flush=True)
     inputs = [settings.tokenizer.path, settings.data.path, *([settings.ul2] if _is_path(settings.ul2) else [])]
-    output_dir, checkpoint = prepare_output_folder(output_dir, config, inputs, settings.training, overwrite=overwrite,
-                                                   resume=resume, resume_keeps_config=True)
+    output_dir, checkpoint = jobs.prepare_output_folder(output_dir, config, inputs, settings.training,
+                                                        overwrite=overwrite, resume=resume, resume_keeps_config=True)
     set_seed(settings.seed)
     train_texts, eval_texts, tokenizer = _corpus_and_tokenizer(settings, output_dir, checkpoint, state,
                                                                 given_tokenizer)
@@ -338,8 +325,8 @@ DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 def check_job_needs(settings: PretrainConfig):
     """What the job will need, checked before any work (a folder emptied, a tokenizer trained, a step taken): the
-    packages it imports, the corpus, a given tokenizer's tokens (the output folder: `check_output_dir`). A missing one
-    raises FAT5Error naming the fix; returns the given tokenizer, loaded (None: the job trains one)."""
+    packages it imports, the corpus, a given tokenizer's tokens (the output folder: `jobs.check_output_dir`). A missing
+    one raises FAT5Error naming the fix; returns the given tokenizer, loaded (None: the job trains one)."""
     for package, role in NEEDED_PACKAGES.items():
         if importlib.util.find_spec(package) is None:
             raise FAT5Error(f"the `{package}` package, which {role}, is not installed: pip install {package}")
@@ -412,7 +399,7 @@ def _checked_tokenizer(settings: PretrainConfig):
 def _trains_on_cuda(settings: PretrainConfig) -> bool:
     import torch
 
-    return torch.cuda.is_available() and not trains_on_cpu(settings.training)
+    return torch.cuda.is_available() and not jobs.trains_on_cpu(settings.training)
 
 
 def _prepare_compiler(settings: PretrainConfig, path: PretrainingPath, cuda: bool) -> None:
@@ -571,10 +558,10 @@ def _packed_batches(settings: PretrainConfig, path: PretrainingPath, train_texts
 def _build_trainer(settings: PretrainConfig, path: PretrainingPath, output_dir: Path, model, tokenizer, collator,
                    batches: PackedBatches):
     fixed = {"seed": settings.seed, "remove_unused_columns": False, **path.training_arguments()}
-    arguments = training_arguments(output_dir, settings.training, fixed=fixed,
-                                   evaluates=batches.evaluation is not None)
-    return build_trainer(arguments, model, tokenizer, collator, batches.train, batches.evaluation,
-                         train_batch_sampler=batches.train_sampler, eval_batch_sampler=batches.eval_sampler)
+    arguments = jobs.training_arguments(output_dir, settings.training, fixed=fixed,
+                                        evaluates=batches.evaluation is not None)
+    return jobs.build_trainer(arguments, model, tokenizer, collator, batches.train, batches.evaluation,
+                              train_batch_sampler=batches.train_sampler, eval_batch_sampler=batches.eval_sampler)
 
 
 def _announce_resumed_run(trainer, checkpoint: Path | None) -> int:
