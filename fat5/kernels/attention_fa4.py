@@ -67,12 +67,12 @@ def _t5_kernels(max_distance: int, table_grad: bool):
 
 
 def _t5_bias_rows(table: torch.Tensor, bidirectional: bool, max_distance: int) -> torch.Tensor:
-    """(heads, 2 * max_distance + 3) fp32: the bias at relative positions -(D+1) .. D+1, the kernels' row."""
-    from .attention_triton_t5 import t5_relative_buckets
+    """(heads, 2 * max_distance + 3) fp32: the bias at relative positions -(D+1) .. D+1, the kernels' row. The
+    Triton kernels' rows, made in one launch, are in log2 units; FA4's score hooks add natural ones."""
+    from .attention_triton_t5 import t5_bias_by_distance
 
-    buckets, _ = t5_relative_buckets(-(max_distance + 1), 2 * max_distance + 3, bidirectional, table.shape[0],
-                                     max_distance, table.device)
-    return table.detach()[buckets.long()].t().float().contiguous()
+    _, rows_log2 = t5_bias_by_distance(table.detach(), bidirectional, table.shape[0], max_distance)
+    return rows_log2 * math.log(2)
 
 
 def _varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:

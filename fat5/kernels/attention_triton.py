@@ -193,5 +193,5 @@ def decode_attention(
     query, key, value = _prepare((query, key, value), head_dim)
     offset = None if query_offset is None else query_offset.reshape(1)
     out, _ = launch_forward(query, key, value, key_padding_mask, _position_tensor(position_bias), None, None, options,
-                      offset, t5_bias_rows)
+                            offset, t5_bias_rows)
     return out if out.shape[-1] == head_dim else out[..., :head_dim]

@@ -100,8 +100,8 @@ class CallOptions:
     @staticmethod
     def of(position_bias: PositionBias, max_seqlen_q, max_seqlen_k, scale, causal, query_offset) -> "CallOptions":
         return CallOptions(int(max_seqlen_q), int(max_seqlen_k), float(scale), bool(causal), int(query_offset),
-                            position_bias.kind, bool(position_bias.bidirectional), int(position_bias.num_buckets),
-                            int(position_bias.max_distance))
+                           position_bias.kind, bool(position_bias.bidirectional), int(position_bias.num_buckets),
+                           int(position_bias.max_distance))
 
     def flat(self) -> tuple:
         return tuple(getattr(self, field.name) for field in fields(self))
@@ -245,7 +245,7 @@ def t5_band_table_gradient(
         grad_out = grad_out.contiguous()
     max_distance = position.max_distance
     buckets, bias_rows = t5_bias_by_distance(position.tensor, position.bidirectional, position.num_buckets,
-                                              max_distance)
+                                             max_distance)
     num_n_blocks = cdiv(problem.seqlen_k, config.block_n)
     distance_grad = torch.zeros(problem.batch, num_n_blocks, problem.num_heads, 2 * max_distance + 3,
                                 dtype=torch.float32, device=device)

@@ -11,6 +11,7 @@ from .dispatch import op_namespace
 
 _NAMESPACE = op_namespace(__name__)
 
+
 @torch.library.custom_op(f"{_NAMESPACE}::attention_forward", mutates_args=())
 def attention_forward_op(
     query: torch.Tensor,
@@ -34,9 +35,9 @@ def attention_forward_op(
     """Attention output and its row log-sum-exp (log2 units, +inf for rows that see no key). The plain values
     after the tensors are the fields of ``CallOptions``."""
     options = CallOptions(max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_kind, bidirectional,
-                           num_buckets, max_distance)
+                          num_buckets, max_distance)
     return launch_forward(query, key, value, key_padding_mask, position_tensor, cu_seqlens_q, cu_seqlens_k, options,
-                    query_offset_tensor)
+                          query_offset_tensor)
 
 
 @attention_forward_op.register_fake
@@ -73,9 +74,9 @@ def attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the gradient of the position tensor (the T5 table or the explicit bias; empty otherwise)."""
     options = CallOptions(max_seqlen_q, max_seqlen_k, scale, causal, query_offset, position_kind, bidirectional,
-                           num_buckets, max_distance)
+                          num_buckets, max_distance)
     return launch_backward(grad_out, query, key, value, out, lse, key_padding_mask, position_tensor, cu_seqlens_q,
-                     cu_seqlens_k, options, position_grad)
+                           cu_seqlens_k, options, position_grad)
 
 
 @attention_backward_op.register_fake
