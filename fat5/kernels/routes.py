@@ -271,7 +271,7 @@ def packed_problem(query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if not causal:
         masking = "none"
     else:
-        aligned = cu_seqlens_q is cu_seqlens_k and not isinstance(query_offset, torch.Tensor) and query_offset == 0
+        aligned = cu_seqlens_q is cu_seqlens_k and _is_zero(query_offset)
         masking = "causal_aligned" if aligned else "causal_offset"
     return AttentionProblem(_capability(query), query.dtype, query.shape[-1], position_kind, masking, True,
                             dropout_p > 0.0, max_seqlen_q, max_seqlen_k, _is_zero(query_offset))
