@@ -72,24 +72,25 @@ class HookedFA4:
         starts = [0, 0]
         pieces = segments(cu_seqlens_q, cu_seqlens_k, [query, grad_out], [key, value], padded)
         for index, ((q, do), (k, v)) in enumerate(pieces):
-            leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-            with torch.enable_grad():  # an autograd.Function's backward runs without it
-                scores, relative, max_distance = hooked_scores(leaves[0], leaves[1], aux_tensors[0], softmax_scale,
-                                                               causal)
-                scores.retain_grad()
-                result = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), leaves[2])
-                result.backward(do.float())
+            # attention's gradient written out (the custom ops' backward runs where autograd records nothing)
+            q, do, k, v = (t.float() for t in (q, do, k, v))
+            scores, relative, max_distance = hooked_scores(q, k, aux_tensors[0], softmax_scale, causal)
+            probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            grad_probabilities = torch.einsum("qhd,khd->hqk", do, v)
+            score_grad = probabilities * (grad_probabilities - (probabilities * grad_probabilities).sum(-1, True))
+            leaf_grads = (torch.einsum("hqk,khd->qhd", score_grad, k) * softmax_scale,
+                          torch.einsum("hqk,qhd->khd", score_grad, q) * softmax_scale,
+                          torch.einsum("hqk,qhd->khd", probabilities, do))
             if len(aux_tensors) > 1:  # the far buckets' sums, at the ends of a slot's row (any slot would do)
-                score_grad = scores.grad.nan_to_num(0.0)
                 slot = aux_tensors[1][:, index % aux_tensors[1].shape[1]]
                 slot[:, 0] += score_grad[:, relative < -max_distance].sum(dim=-1)
                 slot[:, -1] += score_grad[:, relative > max_distance].sum(dim=-1)
             if padded:
-                for grad, leaf in zip(grads, leaves):
-                    grad[index] = leaf.grad
+                for grad, leaf_grad in zip(grads, leaf_grads):
+                    grad[index] = leaf_grad
             else:
                 q_rows, k_rows = slice(starts[0], starts[0] + q.shape[0]), slice(starts[1], starts[1] + k.shape[0])
-                grads[0][q_rows], grads[1][k_rows], grads[2][k_rows] = (leaf.grad for leaf in leaves)
+                grads[0][q_rows], grads[1][k_rows], grads[2][k_rows] = leaf_grads
                 starts = [starts[0] + q.shape[0], starts[1] + k.shape[0]]
         return tuple(grads)
 
@@ -114,8 +115,10 @@ def test_the_kernels_bias_row_is_transformers_t5_bias_by_relative_position():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("train_table", [True, False])
-def test_the_route_matches_the_fp32_reference(hooked_fa4, causal, packed, train_table):
-    """Output, dq, dk, dv and the table's gradient (or none, frozen) of the adapter's T5 path, eagerly."""
+@pytest.mark.parametrize("custom_ops", [False, True])
+def test_the_route_matches_the_fp32_reference(hooked_fa4, monkeypatch, causal, packed, train_table, custom_ops):
+    """Output, dq, dk, dv and the table's gradient (or none, frozen) of the adapter's T5 path: eagerly, and through
+    the custom ops and their registered autograd, which a torch.compile trace calls."""
     torch.manual_seed(0)
     heads, head_dim, max_distance = 2, 16, 8
     table = torch.randn(8, heads, requires_grad=train_table)
@@ -139,10 +142,13 @@ def test_the_route_matches_the_fp32_reference(hooked_fa4, causal, packed, train_
                 return attention_fa4.fa4_attention(*inputs[:3], scale=1.0, causal=causal, position_bias=inputs[3])
             return attention(*inputs[:3], causal=causal, position_bias=inputs[3], backend="reference")
 
-    out = run(True, q, k, v, position)
-    grad_out = torch.randn_like(out)
     differentiable = [q, k, v] + ([table] if train_table else [])
-    grads = torch.autograd.grad(out, differentiable, grad_out)
+    with monkeypatch.context() as patch:
+        if custom_ops:
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        out = run(True, q, k, v, position)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, differentiable, grad_out)
     expected = run(False, q, k, v, position)
     expected_grads = torch.autograd.grad(expected, differentiable, grad_out)
     assert relative_error(out, expected) < 1e-5

@@ -82,10 +82,10 @@ def _varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) ->
             "max_seqlen_k": max_seqlen_k}
 
 
-def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, return_lse,
-             table=None, bidirectional=True, max_distance=128):
-    """(output, log-sum-exp), the log-sum-exp None when neither asked for nor needed by a backward. With a T5
-    ``table``, FAT5's T5 kernels."""
+def _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, table, max_seqlen_q, max_seqlen_k, scale, causal,
+             bidirectional=True, max_distance=128, *, return_lse=True):
+    """(output, log-sum-exp), the log-sum-exp None when neither asked for nor needed by a backward; the arguments in
+    the forward op's order. With a T5 ``table``, FAT5's T5 kernels."""
     interface = _fa4_interface()
     varlen = _varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if table is None:
@@ -114,10 +114,10 @@ def _t5_table_gradient(grad_out, query, key, value, out, lse, table, grad_by_dis
                                   max_seqlen_q, max_seqlen_k, scale, causal, grad_by_distance.sum(dim=1))
 
 
-def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-              causal, table=None, bidirectional=True, max_distance=128, table_grad=False):
+def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, table, max_seqlen_q, max_seqlen_k,
+              scale, causal, bidirectional=True, max_distance=128, table_grad=False):
     """dq, dk, dv and the T5 table's gradient (None without ``table_grad``), through the backward that FA4's
-    autograd.Function calls."""
+    autograd.Function calls; the arguments in the backward op's order."""
     interface = _fa4_interface()
     varlen = _varlen_arguments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     grad_out = grad_out.contiguous()
@@ -131,8 +131,8 @@ def _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k,
                                        device=query.device))
     with _t5_kernels(max_distance, table_grad) as (score_mod, score_mod_bwd):
         dq, dk, dv = interface._flash_attn_bwd(query, key, value, out, grad_out, lse, scale, causal, 0.0,
-                                               score_mod=score_mod,
-                                               score_mod_bwd=score_mod_bwd, aux_tensors=aux_tensors, **varlen)
+                                               score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+                                               aux_tensors=aux_tensors, **varlen)
     table_gradient = None
     if table_grad:
         table_gradient = _t5_table_gradient(grad_out, query, key, value, out, lse, table, aux_tensors[1],
@@ -157,8 +157,8 @@ def fa4_attention_forward_op(
     max_distance: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's output and its row log-sum-exp: (batch, heads, query_length), or (heads, tokens) for packed rows."""
-    return _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, True,
-                    table, bidirectional, max_distance)
+    return _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, table, max_seqlen_q, max_seqlen_k, scale, causal,
+                    bidirectional, max_distance)
 
 
 @fa4_attention_forward_op.register_fake
@@ -191,9 +191,9 @@ def fa4_attention_backward_op(
     table_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the table's gradient (empty without ``table_grad``)."""
-    dq, dk, dv, table_gradient = _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                           max_seqlen_q, max_seqlen_k, scale, causal, table, bidirectional,
-                                           max_distance, table_grad)
+    dq, dk, dv, table_gradient = _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, table,
+                                           max_seqlen_q, max_seqlen_k, scale, causal, bidirectional, max_distance,
+                                           table_grad)
     return dq, dk, dv, query.new_empty(0) if table_gradient is None else table_gradient
 
 
@@ -228,8 +228,7 @@ class _EagerFA4Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, cu_seqlens_q, cu_seqlens_k, table, *plain_values):
-        out, lse = _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, *plain_values[:4], True, table,
-                            *plain_values[4:])
+        out, lse = _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, table, *plain_values)
         ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, table)
         ctx.plain_values = plain_values
         return out
@@ -239,7 +238,7 @@ class _EagerFA4Attention(torch.autograd.Function):
         query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, table = ctx.saved_tensors
         table_grad = ctx.needs_input_grad[5]
         dq, dk, dv, table_gradient = _backward(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                               *ctx.plain_values[:4], table, *ctx.plain_values[4:], table_grad)
+                                               table, *ctx.plain_values, table_grad)
         return dq, dk, dv, None, None, table_gradient, None, None, None, None, None, None
 
 
@@ -256,8 +255,8 @@ def _attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return fa4_attention_forward_op(*arguments)[0]
     if table is not None:
         return _EagerFA4Attention.apply(*arguments)
-    return _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scale), causal,
-                    False)[0]
+    return _forward(query, key, value, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, float(scale),
+                    causal, return_lse=False)[0]
 
 
 def fa4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float, causal: bool,
