@@ -38,7 +38,7 @@ from transformers.masking_utils import (
 )
 from transformers.utils import logging
 
-from ..kernels.attention import attention
+from ..kernels.attention import attention, visible_keys
 from ..kernels.cross_entropy import cross_entropy as fused_cross_entropy
 from ..kernels.dispatch import BACKENDS
 from ..kernels.position_bias import NO_POSITION_BIAS, PositionBias
@@ -211,12 +211,8 @@ def _boolean_mask(key_padding_mask, causal, query_offset, query_length, key_leng
     """(batch or 1, 1, query_length, key_length), True where a key may be attended; None when all may."""
     if key_padding_mask is None and not causal:
         return None
-    visible = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
-    if causal:
-        query_position = torch.arange(query_length, device=device)[:, None] + query_offset
-        visible = torch.arange(key_length, device=device)[None, :] <= query_position
-    visible = visible[None, None]
-    return visible if key_padding_mask is None else visible & key_padding_mask.bool()[:, None, None, :]
+    visible = visible_keys(query_length, key_length, causal, query_offset, key_padding_mask, device)
+    return visible.view(-1, 1, query_length, key_length)
 
 
 def fat5_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,

@@ -54,6 +54,18 @@ def _check_padded_inputs(query, key, value, key_padding_mask, query_offset, posi
         )
 
 
+def visible_keys(query_length: int, key_length: int, causal: bool, query_offset, key_padding_mask, device):
+    """True where a query may attend a key: (query_length, key_length), or (batch, 1, query_length, key_length)
+    with a (batch, key_length) ``key_padding_mask``; causality counts query positions from ``query_offset``."""
+    visible = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
+    if causal:
+        query_position = torch.arange(query_length, device=device)[:, None] + query_offset
+        visible = torch.arange(key_length, device=device)[None, :] <= query_position
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, None, :]
+    return visible
+
+
 def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offset, position_bias, dropout_p,
                attention_mask=None):
     """The attention output in the query's dtype and the probabilities (fp32), from materialised fp32 scores."""
@@ -72,13 +84,8 @@ def _reference(query, key, value, *, scale, causal, key_padding_mask, query_offs
             scores = scores + attention_mask.float()
         probs = torch.softmax(scores, dim=-1)
     else:
-        visible = torch.ones(query_length, key_length, dtype=torch.bool, device=query.device)
-        if causal:
-            query_position = torch.arange(query_length, device=query.device)[:, None] + query_offset
-            visible = torch.arange(key_length, device=query.device)[None, :] <= query_position
+        visible = visible_keys(query_length, key_length, causal, query_offset, key_padding_mask, query.device)
         visible = visible.expand(*scores.shape[:-2], query_length, key_length)
-        if key_padding_mask is not None:
-            visible = visible & key_padding_mask.bool()[:, None, None, :]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         probs = torch.where(visible.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
