@@ -387,8 +387,8 @@ def test_the_adapter_hands_fa4_its_layout_and_t5s_scale(monkeypatch):
 
     calls = []
 
-    def recording(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                  return_lse, table=None, bidirectional=True, max_distance=128):
+    def recording(query, key, value, cu_seqlens_q, cu_seqlens_k, table, max_seqlen_q, max_seqlen_k, scale, causal,
+                  bidirectional=True, max_distance=128, *, return_lse=True):
         calls.append((query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal))
         return query * 2, None
 
